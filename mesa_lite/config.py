@@ -1,0 +1,170 @@
+"""Configuration: what to compress and how.
+
+``Config`` is the user-facing, frozen description of a whole model's compression;
+``QuantSpec`` is what one wrapped layer carries (resolved from the Config for its name and kind).
+Both validate their fields on construction and name the bad field in the error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Mapping
+from typing import Any
+
+LAYER_KINDS: tuple[str, ...] = ("linear", "gelu", "softmax", "layernorm", "matmul", "attention")
+ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
+SUPPORTED_BITS: tuple[int, ...] = (8,)
+PLANNED_BITS: tuple[int, ...] = (4, 2)
+_OVERRIDE_FIELDS = ("bits", "group_size", "rounding", "enabled")
+
+
+def _check_bits(bits: Any, field: str = "bits") -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int):
+        raise TypeError(f"{field} must be an int, got {type(bits).__name__} {bits!r}")
+    if bits in PLANNED_BITS:
+        raise ValueError(
+            f"{field}={bits} is not implemented yet; supported values: {list(SUPPORTED_BITS)}"
+        )
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"{field} must be one of {list(SUPPORTED_BITS)}, got {bits}")
+
+
+def _check_group_size(group_size: Any, field: str = "group_size") -> None:
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"{field} must be an int, got {type(group_size).__name__} {group_size!r}")
+    if group_size < 1:
+        raise ValueError(f"{field} must be a positive int, got {group_size}")
+
+
+def _check_rounding(rounding: Any, field: str = "rounding") -> None:
+    if not isinstance(rounding, str):
+        raise TypeError(f"{field} must be a str, got {type(rounding).__name__} {rounding!r}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"{field} must be one of {list(ROUNDINGS)}, got {rounding!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantSpec:
+    """How one layer compresses what it keeps for backward.
+
+    Attributes:
+        bits: code width (8).
+        group_size: elements per fp32 absmax scale, over the flattened tensor.
+        rounding: "nearest" (round half to even) or "stochastic" (unbiased).
+        exact: debug setting: keep exact copies instead of codes, through the same code paths.
+            Gradients then equal PyTorch's; nothing is saved in memory.
+    """
+
+    bits: int = 8
+    group_size: int = 128
+    rounding: str = "nearest"
+    exact: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bits(self.bits)
+        _check_group_size(self.group_size)
+        _check_rounding(self.rounding)
+        if not isinstance(self.exact, bool):
+            raise TypeError(f"exact must be a bool, got {type(self.exact).__name__}")
+
+    @property
+    def stochastic(self) -> bool:
+        return self.rounding == "stochastic"
+
+    def describe(self) -> str:
+        if self.exact:
+            return "exact (debug, no compression)"
+        return f"int{self.bits} g{self.group_size} {self.rounding}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What ``wrap`` compresses and how.
+
+    Attributes:
+        bits: code width for saved activations. Only 8 is implemented.
+        group_size: elements per absmax scale (any positive int; 128 by default).
+        rounding: "nearest" or "stochastic".
+        layers: which layer kinds to wrap, a subset of ``LAYER_KINDS``.
+        overrides: per-module settings, ``{name_or_glob: {field: value}}`` with fields
+            ``bits``, ``group_size``, ``rounding`` and ``enabled`` (False leaves that module
+            exact). Names are those of ``model.named_modules()``; fnmatch globs are allowed.
+            A pattern that matches no module is an error at ``wrap`` time.
+        debug_exact: keep exact copies instead of codes (for checking gradients against torch).
+    """
+
+    bits: int = 8
+    group_size: int = 128
+    rounding: str = "nearest"
+    layers: frozenset[str] = frozenset(LAYER_KINDS)
+    overrides: Mapping[str, Mapping[str, Any]] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({})
+    )
+    debug_exact: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bits(self.bits)
+        _check_group_size(self.group_size)
+        _check_rounding(self.rounding)
+        if isinstance(self.layers, str) or not isinstance(
+            self.layers, (set, frozenset, list, tuple)
+        ):
+            raise TypeError(
+                f"layers must be a set of layer kinds from {list(LAYER_KINDS)}, "
+                f"got {type(self.layers).__name__}"
+            )
+        unknown = sorted(set(self.layers) - set(LAYER_KINDS))
+        if unknown:
+            raise ValueError(f"layers has unknown kinds {unknown}; allowed: {list(LAYER_KINDS)}")
+        object.__setattr__(self, "layers", frozenset(self.layers))
+        if not isinstance(self.overrides, Mapping):
+            raise TypeError(f"overrides must be a mapping, got {type(self.overrides).__name__}")
+        frozen = {}
+        for name, fields in self.overrides.items():
+            if not isinstance(name, str):
+                raise TypeError(f"overrides keys must be module names (str), got {name!r}")
+            if not isinstance(fields, Mapping):
+                raise TypeError(
+                    f"overrides[{name!r}] must be a mapping, got {type(fields).__name__}"
+                )
+            field = f"overrides[{name!r}]"
+            bad = sorted(set(fields) - set(_OVERRIDE_FIELDS))
+            if bad:
+                raise ValueError(
+                    f"{field} has unknown fields {bad}; allowed: {list(_OVERRIDE_FIELDS)}"
+                )
+            if "bits" in fields:
+                _check_bits(fields["bits"], f"{field}.bits")
+            if "group_size" in fields:
+                _check_group_size(fields["group_size"], f"{field}.group_size")
+            if "rounding" in fields:
+                _check_rounding(fields["rounding"], f"{field}.rounding")
+            if "enabled" in fields and not isinstance(fields["enabled"], bool):
+                raise TypeError(f"{field}.enabled must be a bool, got {fields['enabled']!r}")
+            frozen[name] = types.MappingProxyType(dict(fields))
+        object.__setattr__(self, "overrides", types.MappingProxyType(frozen))
+        if not isinstance(self.debug_exact, bool):
+            raise TypeError(f"debug_exact must be a bool, got {type(self.debug_exact).__name__}")
+
+    def spec_for(self, name: str, kind: str) -> QuantSpec | None:
+        """The spec for module ``name`` of layer kind ``kind``, or None to leave it exact.
+
+        Overrides apply in the order given; later matches win.
+        """
+        import fnmatch
+
+        if kind not in self.layers:
+            return None
+        fields: dict[str, Any] = {
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "rounding": self.rounding,
+            "enabled": True,
+        }
+        for pattern, over in self.overrides.items():
+            if name == pattern or fnmatch.fnmatchcase(name, pattern):
+                fields.update(over)
+        if not fields.pop("enabled"):
+            return None
+        return QuantSpec(exact=self.debug_exact, **fields)

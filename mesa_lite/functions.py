@@ -1,0 +1,214 @@
+"""Autograd Functions that compute the plain torch op and keep compressed inputs for backward.
+
+Autocast: the modules resolve the dtype autocast would run each op in (``compute_dtype``), cast
+the inputs to it outside the Function (so autograd casts the gradients back as autocast's own
+casts would), and the Functions run the same aten op on the cast inputs. Forward outputs are
+therefore bit-identical to PyTorch's, with and without autocast, on any device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from mesa_lite import quant
+from mesa_lite.config import QuantSpec
+
+# ---- the dtype autocast gives an op ---------------------------------------------------------
+
+_PROBES = {
+    "linear": lambda a, b: F.linear(a, b),
+    "matmul": lambda a, b: torch.matmul(a, b),
+    "softmax": lambda a: torch.softmax(a, -1),
+    "gelu": lambda a: F.gelu(a),
+    "layer_norm": lambda a, *w: F.layer_norm(a, (1,), *(t.view(1) for t in w)),
+}
+
+
+@functools.cache
+def _probe(op: str, device: str, autocast_dtype: torch.dtype | None, dtypes: tuple) -> torch.dtype:
+    args = [torch.zeros(1, 1, dtype=d, device=device) for d in dtypes]
+    with torch.no_grad():
+        if autocast_dtype is None:
+            return _PROBES[op](*args).dtype
+        with torch.autocast(device_type=device, dtype=autocast_dtype):
+            return _PROBES[op](*args).dtype
+
+
+def compute_dtype(op: str, device: torch.device, *dtypes: torch.dtype) -> torch.dtype:
+    """The dtype the current autocast state runs ``op`` in, for inputs of ``dtypes``.
+
+    Found by running the op once on 1-element tensors under the same autocast settings and
+    cached, so it follows PyTorch's own policy on every device and version.
+    """
+    dev = device.type
+    if dev in ("cpu", "cuda", "xpu", "mps") and torch.is_autocast_enabled(dev):
+        ac = torch.get_autocast_dtype(dev)
+    else:
+        ac = None
+    if ac is None and len(set(dtypes)) == 1:
+        return dtypes[0]  # no autocast, one dtype: nothing to resolve
+    try:
+        return _probe(op, dev, ac, tuple(dtypes))
+    except RuntimeError:
+        return dtypes[0]  # mixed dtypes torch rejects: let the real op raise its own error
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _no_autocast(device: torch.device):
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+def _keep(x: torch.Tensor, spec: QuantSpec, signed: bool = True, share_key=None) -> quant.Packed:
+    """Quantizes ``x``, or reuses the codes already made from ``share_key`` (default ``x``)."""
+    shared = quant.lookup_shared(x if share_key is None else share_key, spec)
+    return shared if shared is not None else quant.quantize(x, spec, signed)
+
+
+# ---- Linear -----------------------------------------------------------------------------------
+
+
+class LinearFn(torch.autograd.Function):
+    """``F.linear`` keeping the compressed input; the weight is kept as the Parameter itself and
+    cast again in backward, so no low-precision copy of it outlives the forward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype: torch.dtype, spec: QuantSpec):
+        w = _cast(weight, dtype)
+        with _no_autocast(x.device):
+            out = F.linear(x, w, _cast(bias, dtype))
+        quant.save(ctx, _keep(x, spec), weight)
+        ctx.dtype = dtype
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        px, weight = quant.load(ctx)
+        w = _cast(weight, ctx.dtype)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g2 @ w).view(*grad.shape[:-1], w.shape[1])
+        if ctx.needs_input_grad[1]:
+            x2 = quant.dequantize(px, ctx.dtype).reshape(-1, px.shape[-1])
+            grad_w = (g2.t() @ x2).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None, None
+
+
+# ---- GELU -------------------------------------------------------------------------------------
+
+
+class GELUFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, approximate: str, spec: QuantSpec):
+        with _no_autocast(x.device):
+            out = F.gelu(x, approximate=approximate)
+        quant.save(ctx, _keep(x, spec))
+        ctx.approximate = approximate
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (px,) = quant.load(ctx)
+        x = quant.dequantize(px)
+        return torch.ops.aten.gelu_backward(grad, x, approximate=ctx.approximate), None, None
+
+
+# ---- Softmax ----------------------------------------------------------------------------------
+
+
+class SoftmaxFn(torch.autograd.Function):
+    """Keeps only the output, as unsigned codes (softmax outputs lie in [0, 1])."""
+
+    @staticmethod
+    def forward(ctx, x, dim: int, spec: QuantSpec):
+        out = torch._softmax(x, dim, False)
+        quant.save(ctx, quant.quantize(out, spec, signed=False))
+        ctx.dim = dim
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (py,) = quant.load(ctx)
+        y = quant.dequantize(py)
+        return torch._softmax_backward_data(grad, y, ctx.dim, y.dtype), None, None
+
+
+# ---- LayerNorm --------------------------------------------------------------------------------
+
+
+class LayerNormFn(torch.autograd.Function):
+    """Keeps the compressed input and the fp32 per-row mean and rstd."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, bias, eps: float, spec: QuantSpec):
+        with _no_autocast(x.device):
+            out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        quant.save(ctx, _keep(x, spec), mean, rstd, weight, bias)
+        ctx.normalized_shape = normalized_shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        px, mean, rstd, weight, bias = quant.load(ctx)
+        x = quant.dequantize(px)
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
+        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
+            grad.contiguous(), x, ctx.normalized_shape, mean, rstd, weight, bias, mask
+        )
+        return gx, None, gw, gb, None, None
+
+
+# ---- MatMul -----------------------------------------------------------------------------------
+
+
+def _sum_to(g: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    return g if g.shape == shape else g.sum_to_size(shape)
+
+
+class MatMulFn(torch.autograd.Function):
+    """``a @ b`` for operands of 2 or more dims (batch dims broadcast), keeping both compressed.
+
+    ``shares``: a tuple ``(a0, b0)`` of the tensors whose existing codes may be reused (the
+    operands before the autocast cast; see ``quant.lookup_shared``). A tuple, so that autograd
+    does not take them for inputs.
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, spec: QuantSpec, shares=(None, None)):
+        with _no_autocast(a.device):
+            out = torch.matmul(a, b)
+        quant.save(ctx, _keep(a, spec, share_key=shares[0]), _keep(b, spec, share_key=shares[1]))
+        ctx.dtypes = (a.dtype, b.dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        pa, pb = quant.load(ctx)
+        a_dims, b_dims = len(pa.shape), len(pb.shape)
+        grad_a = grad_b = None
+        # Mirror torch.matmul's own folding into one mm when one operand is 2-D, so that the
+        # gradients of the exact (debug) mode equal PyTorch's bit for bit.
+        if ctx.needs_input_grad[0]:
+            b = quant.dequantize(pb, ctx.dtypes[1])
+            if a_dims == 2 and b_dims >= 3:
+                bt = b.transpose(-2, -1).reshape(-1, b.shape[-2])
+                gt = grad.transpose(-2, -1).reshape(-1, grad.shape[-2])
+                grad_a = (bt.t() @ gt).t()
+            else:
+                grad_a = _sum_to(torch.matmul(grad, b.transpose(-2, -1)), pa.shape)
+        if ctx.needs_input_grad[1]:
+            a = quant.dequantize(pa, ctx.dtypes[0])
+            if b_dims == 2 and a_dims >= 3:
+                grad_b = a.reshape(-1, a.shape[-1]).t() @ grad.reshape(-1, grad.shape[-1])
+            else:
+                grad_b = _sum_to(torch.matmul(a.transpose(-2, -1), grad), pb.shape)
+        return grad_a, grad_b, None, None

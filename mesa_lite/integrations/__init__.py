@@ -1,0 +1,1 @@
+"""Integrations with other libraries' layers; each registers its types with ``wrap``."""

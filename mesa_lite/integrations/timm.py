@@ -1,0 +1,94 @@
+"""timm integration: timm's LayerNorm, GELU and vision-transformer ``Attention``.
+
+timm's ``Attention`` computes ``q @ k^T``, softmax and ``attn @ v`` inline when its fused
+attention is off; the subclass here does the same computation through mesa_lite's matmul and
+softmax, so those activations are kept compressed too. With fused attention on
+(``F.scaled_dot_product_attention``, timm's default) attention runs exactly as timm's own;
+its qkv and proj Linears are still wrapped.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from mesa_lite.modules import MesaModule, matmul, softmax
+
+try:
+    import timm.layers as _tl
+    from timm.layers import Attention as _TimmAttention
+except ImportError:  # pragma: no cover - timm is optional
+    _tl = None
+    _TimmAttention = None
+
+
+def _resolve_mask(n: int, attn: torch.Tensor, attn_mask, is_causal: bool):
+    """The additive bias timm's explicit path adds (SDPA semantics)."""
+    resolve = getattr(_tl, "resolve_self_attn_mask", None)
+    if resolve is not None:
+        return resolve(n, attn, attn_mask, is_causal)
+    if is_causal:
+        return attn.new_full((n, n), float("-inf")).triu_(1)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        bias = torch.zeros_like(attn_mask, dtype=attn.dtype)
+        return bias.masked_fill_(~attn_mask, float("-inf"))
+    return attn_mask
+
+
+def registrations() -> list[tuple[type, type, str, object]]:
+    """(timm type, mesa_lite class, kind, accepts(module) or None) for ``wrap``'s registry."""
+    if _tl is None:
+        return []
+    from mesa_lite.modules import GELU, LayerNorm
+
+    regs = [(_TimmAttention, Attention, "attention", None)]
+    if hasattr(_tl, "LayerNorm"):
+        # timm's LayerNorm is F.layer_norm unless its fast-norm (apex) path is on.
+        regs.append(
+            (_tl.LayerNorm, LayerNorm, "layernorm", lambda m: not getattr(m, "_fast_norm", False))
+        )
+    gelu = getattr(getattr(_tl, "activations", None), "GELU", None)
+    if gelu is not None and gelu is not nn.GELU:
+        regs.append((gelu, GELU, "gelu", None))
+    return regs
+
+
+if _TimmAttention is not None:
+
+    class Attention(MesaModule, _TimmAttention):
+        """timm ``Attention`` whose explicit path keeps q, k, the softmax output and v compressed.
+
+        The softmax output is kept once: the ``attn @ v`` product reuses the softmax's uint8
+        codes (the same tensor), also under autocast, where it is cast before the product.
+        """
+
+        mesa_kind = "attention"
+
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if self.fused_attn or not self._mesa_active(x):
+                return super().forward(x, *args, **kwargs)
+            return self._explicit_forward(x, *args, **kwargs)
+
+        def _explicit_forward(self, x, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+            spec = self.mesa_spec
+            B, N, C = x.shape
+            gate = getattr(self, "gate", None)
+            gate = gate(x).sigmoid() if gate is not None else None
+            qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.unbind(0)
+            q, k = self.q_norm(q), self.k_norm(k)
+            q = q * self.scale
+            attn = matmul(q, k.transpose(-2, -1), spec)
+            bias = _resolve_mask(N, attn, attn_mask, is_causal)
+            if bias is not None:
+                attn = attn + bias
+            attn = softmax(attn, -1, spec)
+            attn = self.attn_drop(attn)
+            x = matmul(attn, v, spec)
+            x = x.transpose(1, 2).reshape(B, N, getattr(self, "attn_dim", C))
+            x = self.norm(x)
+            if gate is not None:
+                x = x * gate
+            x = self.proj(x)
+            x = self.proj_drop(x)
+            return x

@@ -1,0 +1,161 @@
+"""Drop-in modules: each subclasses the torch module it replaces and calls a Function when
+training with grad; otherwise it runs the plain torch op.
+
+``wrap`` converts a module in place by switching its class (``from_module``): the object, its
+Parameters, buffers, hooks and state_dict keys stay the same; ``to_original`` switches back.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn as nn
+
+from mesa_lite.config import QuantSpec
+from mesa_lite.functions import (
+    GELUFn,
+    LayerNormFn,
+    LinearFn,
+    MatMulFn,
+    SoftmaxFn,
+    _cast,
+    compute_dtype,
+)
+
+__all__ = ["MesaModule", "Linear", "GELU", "Softmax", "LayerNorm", "MatMul", "matmul", "softmax"]
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+class MesaModule:
+    """Mixin of every mesa_lite module: the spec, the switch between paths, the class swap."""
+
+    mesa_kind: ClassVar[str] = ""
+    mesa_spec: QuantSpec | None = None
+
+    def _mesa_active(self, *tensors: torch.Tensor | None) -> bool:
+        return self.mesa_spec is not None and self.training and _needs_grad(*tensors)
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        mesa = "mesa=off" if self.mesa_spec is None else f"mesa={self.mesa_spec.describe()}"
+        return f"{base}, {mesa}" if base else mesa
+
+    @classmethod
+    def from_module(cls, module: nn.Module, spec: QuantSpec) -> nn.Module:
+        """Converts ``module`` in place into this class and returns it."""
+        module.__dict__["_mesa_orig_cls"] = type(module)
+        module.__class__ = cls
+        module.mesa_spec = spec
+        return module
+
+    def to_original(self) -> nn.Module:
+        """Converts back in place to the class ``from_module`` found."""
+        orig = self.__dict__.pop("_mesa_orig_cls", None)
+        self.__dict__.pop("mesa_spec", None)
+        if orig is not None:
+            self.__class__ = orig
+        else:  # built as a mesa_lite module: stays one, exact
+            self.mesa_spec = None
+        return self
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
+    """``torch.matmul(a, b)`` keeping both operands compressed (when they need grad).
+
+    Operands of fewer than 2 dims run the plain op, exact.
+    """
+    if spec is None or a.dim() < 2 or b.dim() < 2 or not _needs_grad(a, b):
+        return torch.matmul(a, b)
+    dtype = compute_dtype("matmul", a.device, a.dtype, b.dtype)
+    return MatMulFn.apply(_cast(a, dtype), _cast(b, dtype), spec, (a, b))
+
+
+def softmax(x: torch.Tensor, dim: int, spec: QuantSpec | None) -> torch.Tensor:
+    """``torch.softmax(x, dim)`` keeping only the output, as uint8 codes (when x needs grad)."""
+    if spec is None or not _needs_grad(x):
+        return torch.softmax(x, dim)
+    dtype = compute_dtype("softmax", x.device, x.dtype)
+    return SoftmaxFn.apply(_cast(x, dtype), dim, spec)
+
+
+class Linear(MesaModule, nn.Linear):
+    """``nn.Linear`` keeping its (autocast-cast) input compressed."""
+
+    mesa_kind = "linear"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._mesa_active(x, self.weight, self.bias):
+            return super().forward(x)
+        dtype = compute_dtype("linear", x.device, x.dtype, self.weight.dtype)
+        return LinearFn.apply(_cast(x, dtype), self.weight, self.bias, dtype, self.mesa_spec)
+
+
+class GELU(MesaModule, nn.GELU):
+    """``nn.GELU`` (approximate 'none' or 'tanh') keeping its input compressed."""
+
+    mesa_kind = "gelu"
+
+    @classmethod
+    def from_module(cls, module: nn.Module, spec: QuantSpec) -> nn.Module:
+        if not hasattr(module, "approximate"):  # timm's own GELU is exact gelu
+            module.approximate = "none"
+        return super().from_module(module, spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._mesa_active(x):
+            return super().forward(x)
+        dtype = compute_dtype("gelu", x.device, x.dtype)
+        return GELUFn.apply(_cast(x, dtype), self.approximate, self.mesa_spec)
+
+
+class Softmax(MesaModule, nn.Softmax):
+    """``nn.Softmax`` keeping only its output, as uint8 codes."""
+
+    mesa_kind = "softmax"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._mesa_active(x):
+            return super().forward(x)
+        dim = self.dim
+        if dim is None:  # nn.Softmax's legacy implicit dim
+            dim = torch.nn.functional._get_softmax_dim("softmax", x.dim(), 5)
+        return softmax(x, dim, self.mesa_spec)
+
+
+class LayerNorm(MesaModule, nn.LayerNorm):
+    """``nn.LayerNorm`` keeping its input compressed plus fp32 mean and rstd."""
+
+    mesa_kind = "layernorm"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._mesa_active(x, self.weight, self.bias):
+            return super().forward(x)
+        w, b = self.weight, self.bias
+        dtype = compute_dtype(
+            "layer_norm", x.device, x.dtype, *([w.dtype] if w is not None else [])
+        )
+        shape = tuple(self.normalized_shape)
+        return LayerNormFn.apply(
+            _cast(x, dtype), shape, _cast(w, dtype), _cast(b, dtype), self.eps, self.mesa_spec
+        )
+
+
+class MatMul(MesaModule, nn.Module):
+    """Batched ``a @ b`` as a module, keeping both operands compressed.
+
+    Args:
+        spec: how to compress; None runs the plain op.
+    """
+
+    mesa_kind = "matmul"
+
+    def __init__(self, spec: QuantSpec | None = None) -> None:
+        super().__init__()
+        self.mesa_spec = QuantSpec() if spec is None else spec
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return matmul(a, b, self.mesa_spec if self.training else None)

@@ -1,0 +1,32 @@
+"""Packaging: mesa_lite, with its Triton kernels shipped from kernels/ as mesa_lite.kernels."""
+
+import re
+from pathlib import Path
+
+from setuptools import setup
+
+_here = Path(__file__).parent
+_version = re.search(
+    r'^__version__ = "([^"]+)"', (_here / "mesa_lite" / "__init__.py").read_text(), re.M
+).group(1)
+
+setup(
+    name="mesa_lite",
+    version=_version,
+    description="Keep training activations for backward in 8 bits: less memory, same forward.",
+    long_description=(_here / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["mesa_lite", "mesa_lite.integrations", "mesa_lite.kernels"],
+    package_dir={"mesa_lite.kernels": "kernels"},
+    install_requires=[
+        "torch>=2.4",
+        # Triton ships with torch's Linux builds; elsewhere the PyTorch reference runs.
+        "triton>=3.0; platform_system == 'Linux' and platform_machine == 'x86_64'",
+    ],
+    extras_require={
+        "test": ["pytest>=7", "hypothesis>=6", "timm>=1.0", "torchvision", "scikit-learn>=1.0"],
+        "bench": ["timm>=1.0", "torchvision", "tqdm", "matplotlib", "scikit-learn>=1.0"],
+        "dev": ["ruff>=0.4", "pytest>=7", "hypothesis>=6", "timm>=1.0", "torchvision"],
+    },
+)
