@@ -1,0 +1,64 @@
+"""Shared test setup: devices, the SQNR measure, and counting bytes kept for backward.
+
+Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors, so every kernel is
+still checked bit for bit against its PyTorch reference. The variable must be set before
+Triton is first imported (timm imports it), hence here.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """20 * log10(||ref|| / ||ref - x||) in fp64; inf when equal."""
+    ref, x = ref.double(), x.double()
+    err = (ref - x).norm()
+    if err == 0:
+        return float("inf")
+    return (20 * torch.log10(ref.norm() / err)).item()
+
+
+def assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Bit-for-bit equality (NaN equal to NaN); on failure prints the worst elements."""
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    torch.testing.assert_close(
+        actual, expected, atol=0, rtol=0, equal_nan=True, msg=lambda m: f"{what}: {m}"
+    )
+
+
+def saved_activation_bytes(fn, params=()) -> tuple[int, object]:
+    """Bytes of the unique storages kept for backward while ``fn()`` runs its forward.
+
+    Counted through ``torch.autograd.graph.saved_tensors_hooks``; storages of ``params`` are
+    left out (they exist anyway), everything else kept for backward is counted once.
+
+    Returns:
+        (bytes, what fn returned) - keep the result alive until the count is read.
+    """
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return torch.device(request.param)

@@ -1,0 +1,175 @@
+"""Kernel vs reference, bit for bit, and the quantizer's guarantees.
+
+On a machine without a GPU the kernels run in Triton's interpreter (see conftest.py).
+"""
+
+import pytest
+import torch
+from conftest import DEVICES, FLOAT_DTYPES, assert_equal
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mesa_lite.kernels import group_quant as gq
+
+SHAPES = [(1,), (7,), (13, 17), (3, 5, 129), (0,), (0, 4), (257,), (2, 3, 1000)]
+GROUPS = [1, 7, 128, 1000, 2048]
+
+
+def _make(shape, dtype, device, signed, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.logspace(-3, 3, max(1, shape[-1]))[: shape[-1]]
+    if not signed:
+        x = x.abs()
+    return x.to(dtype=dtype, device=device)
+
+
+def _step(codes_scales, n, group_size):
+    """Per-element quantization step (the group's scale)."""
+    _, scales = codes_scales
+    return scales.repeat_interleave(group_size)[:n]
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+@pytest.mark.parametrize("group_size", GROUPS, ids=lambda g: f"g{g}")
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_kernel_matches_reference_nearest(shape, dtype, group_size, signed, device):
+    x = _make(shape, dtype, device, signed)
+    codes, scales = gq.quantize(x, group_size, signed=signed, use_triton=True)
+    rcodes, rscales = gq.quantize_ref(x, group_size, signed=signed)
+    assert_equal(codes, rcodes, "codes")
+    assert_equal(scales, rscales, "scales")
+    assert codes.dtype == (torch.int8 if signed else torch.uint8)
+    assert codes.numel() == x.numel() and scales.numel() == gq.n_groups_of(x.numel(), group_size)
+    out = gq.dequantize(codes, scales, group_size, dtype, use_triton=True)
+    ref = gq.dequantize_ref(codes, scales, group_size, dtype)
+    assert_equal(out, ref, "dequantized")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_kernel_matches_reference_non_contiguous(dtype, device):
+    base = _make((64, 96), dtype, device, True)
+    for x in (base.t(), base[:, ::3], base[::2, 5:70]):
+        assert not x.is_contiguous()
+        codes, scales = gq.quantize(x, 128, use_triton=True)
+        rcodes, rscales = gq.quantize_ref(x.contiguous(), 128)
+        assert_equal(codes, rcodes, "codes")
+        assert_equal(scales, rscales, "scales")
+
+
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "reference"])
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_nearest_error_within_half_step(use_triton, signed, device):
+    x = _make((4, 999), torch.float32, device, signed, seed=3)
+    cs = gq.quantize(x, 128, signed=signed, use_triton=use_triton)
+    out = gq.dequantize(*cs, 128, torch.float32, use_triton=use_triton)
+    step = _step(cs, x.numel(), 128)
+    err = (out - x.reshape(-1)).abs()
+    # half a step, plus fp32 rounding of x / scale and of code * scale
+    bound = 0.5 * step * (1 + 1e-5) + x.reshape(-1).abs() * 2**-23
+    worst = (err - bound).argmax()
+    assert (err <= bound).all(), f"element {worst}: err {err[worst]} > bound {bound[worst]}"
+
+
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "reference"])
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_stochastic_rounding_unbiased_and_within_one_step(use_triton, signed, device):
+    torch.manual_seed(0)
+    x = _make((512,), torch.float32, device, signed, seed=5)
+    draws = 400
+    acc = torch.zeros_like(x, dtype=torch.float64)
+    for _ in range(draws):
+        cs = gq.quantize(x, 64, signed=signed, stochastic=True, use_triton=use_triton)
+        out = gq.dequantize(*cs, 64, torch.float32, use_triton=use_triton)
+        step = _step(cs, x.numel(), 64)
+        assert ((out - x).abs() <= step * (1 + 1e-5)).all(), "stochastic rounding moved > 1 step"
+        acc += out.double()
+    mean_err = ((acc / draws) - x.double()).abs() / step.double()
+    # per-draw std <= step/2, so the mean's std <= step / (2 sqrt(400)) = step/40
+    assert mean_err.max() < 0.2, f"biased: max |mean - x| = {mean_err.max():.3f} steps"
+    assert mean_err.mean() < 0.04
+
+
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "reference"])
+def test_stochastic_rounding_reproducible_under_seed(use_triton, device):
+    x = _make((3000,), torch.bfloat16, device, True, seed=7)
+    torch.manual_seed(123)
+    a = gq.quantize(x, 128, stochastic=True, use_triton=use_triton)
+    torch.manual_seed(123)
+    b = gq.quantize(x, 128, stochastic=True, use_triton=use_triton)
+    c = gq.quantize(x, 128, stochastic=True, use_triton=use_triton)
+    assert_equal(a[0], b[0], "same seed")
+    assert not torch.equal(a[0], c[0]), "different draws gave the same codes"
+
+
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "reference"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_special_values(use_triton, dtype, device):
+    inf, nan = float("inf"), float("nan")
+    big = 1e30 if dtype != torch.float16 else 6e4
+    vals = [1.0, inf, -2.0, 3.0, nan, 1.0, 0.0, 0.0, big, -big, -inf, 5.0, 0.0, 1e-3]
+    x = torch.tensor(vals, dtype=dtype, device=device)
+    codes, scales = gq.quantize(x, 2, use_triton=use_triton)
+    out = gq.dequantize(codes, scales, 2, dtype, use_triton=use_triton).float().cpu()
+    assert out[1] == inf and out[10] == -inf, "inf must keep its sign"
+    assert out[4].isnan() and out[5].isnan(), "a group with NaN dequantizes to NaN"
+    assert not out[[0, 11]].isfinite().any(), "finite values in an inf group must not look finite"
+    assert out[6] == 0 and out[7] == 0, "an all-zero group dequantizes to exact zeros"
+    assert torch.isfinite(scales[4]) and out[8] == pytest.approx(big, rel=1e-2), "huge finite"
+    assert out[9] == pytest.approx(-big, rel=1e-2)
+
+
+def test_argument_errors():
+    x = torch.randn(10)
+    with pytest.raises(ValueError, match="group_size"):
+        gq.quantize(x, 0)
+    with pytest.raises(ValueError, match="group_size"):
+        gq.quantize_ref(x, -3)
+    with pytest.raises(TypeError, match="dtype"):
+        gq.quantize(x.double(), 128)
+    with pytest.raises(TypeError, match="dtype"):
+        gq.quantize(torch.arange(10), 128)
+    codes, scales = gq.quantize(x, 4)
+    with pytest.raises(ValueError, match="scales"):
+        gq.dequantize(codes, scales[:1], 4, torch.float32)
+    with pytest.raises(TypeError, match="codes"):
+        gq.dequantize(codes.float(), scales, 4, torch.float32)
+
+
+# ---- property tests -----------------------------------------------------------------------
+
+_finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
+_special = st.sampled_from([float("inf"), float("-inf"), float("nan")])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    values=st.lists(st.one_of(_finite, _finite, _finite, _special), min_size=1, max_size=300),
+    group_size=st.integers(1, 70),
+    signed=st.booleans(),
+    use_triton=st.booleans(),
+)
+def test_property_non_finite_preserved_and_error_bound(values, group_size, signed, use_triton):
+    x = torch.tensor(values, dtype=torch.float32)
+    if not signed:
+        x = x.abs()
+    codes, scales = gq.quantize(x, group_size, signed=signed, use_triton=use_triton)
+    out = gq.dequantize(codes, scales, group_size, torch.float32, use_triton=use_triton)
+    bad = ~torch.isfinite(x)
+    assert not torch.isfinite(out[bad]).any(), "a non-finite input dequantized to a finite value"
+    group_ok = torch.isfinite(scales).repeat_interleave(group_size)[: x.numel()]
+    step = scales.repeat_interleave(group_size)[: x.numel()]
+    err = (out - x).abs()[group_ok]
+    bound = (0.5 * step * (1 + 1e-5) + x.abs() * 2**-23)[group_ok]
+    assert (err <= bound).all()
+    rcodes, rscales = gq.quantize_ref(x, group_size, signed=signed)
+    assert_equal(codes, rcodes, "codes")
+    assert_equal(scales, rscales, "scales")
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU")
+def test_cuda_default_path_is_triton_and_exact():
+    x = torch.randn(4096 * 3 + 5, device="cuda", dtype=torch.float16)
+    codes, scales = gq.quantize(x, 128)  # default: Triton on CUDA
+    rcodes, rscales = gq.quantize_ref(x, 128)
+    assert_equal(codes, rcodes, "codes")
+    assert_equal(scales, rscales, "scales")

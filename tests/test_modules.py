@@ -1,0 +1,208 @@
+"""Each drop-in module against its torch module: forward bit-exact, gradients exact in the
+debug (no compression) mode and within an SQNR floor with int8."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import assert_equal, saved_activation_bytes, sqnr_db
+
+import mesa_lite
+from mesa_lite import Config, QuantSpec
+
+INT8_SQNR_FLOOR_DB = 30.0
+
+MODULES = {
+    "linear": lambda: nn.Linear(96, 80),
+    "linear_nobias": lambda: nn.Linear(96, 33, bias=False),
+    "gelu": lambda: nn.GELU(),
+    "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
+    "softmax_last": lambda: nn.Softmax(dim=-1),
+    "softmax_dim1": lambda: nn.Softmax(dim=1),
+    "layernorm": lambda: nn.LayerNorm(96),
+    "layernorm_2d": lambda: nn.LayerNorm((7, 96)),
+    "layernorm_noaffine": lambda: nn.LayerNorm(96, elementwise_affine=False),
+}
+AUTOCAST = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _run(module, x, device, autocast):
+    with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+        return module(x)
+
+
+def _pair(name, device, debug_exact):
+    torch.manual_seed(0)
+    ref = MODULES[name]().to(device)
+    with torch.no_grad():  # non-trivial affine parameters
+        for p in ref.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    mod = mesa_lite.wrap(copy.deepcopy(ref), Config(debug_exact=debug_exact))
+    assert isinstance(mod, mesa_lite.modules.MesaModule)
+    return ref, mod
+
+
+def _grads(ref, mod, device, autocast):
+    torch.manual_seed(1)
+    x = torch.randn(4, 7, 96, device=device) * 3
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1, y2 = _run(ref, x1, device, autocast), _run(mod, x2, device, autocast)
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    y2.backward(g)
+    pairs = [("input", x1.grad, x2.grad)]
+    pairs += [
+        (n, p1.grad, p2.grad)
+        for (n, p1), (_, p2) in zip(ref.named_parameters(), mod.named_parameters(), strict=True)
+    ]
+    return y1, y2, pairs
+
+
+@pytest.mark.parametrize("autocast", AUTOCAST, ids=str)
+@pytest.mark.parametrize("name", MODULES)
+def test_forward_bit_exact_and_debug_grads_equal(name, autocast, device):
+    ref, mod = _pair(name, device, debug_exact=True)
+    y1, y2, pairs = _grads(ref, mod, device, AUTOCAST[autocast])
+    assert_equal(y2, y1, "forward")
+    for what, g1, g2 in pairs:
+        assert_equal(g2, g1, f"grad of {what}")
+
+
+@pytest.mark.parametrize("autocast", AUTOCAST, ids=str)
+@pytest.mark.parametrize("name", MODULES)
+def test_int8_forward_bit_exact_and_grad_sqnr(name, autocast, device):
+    ref, mod = _pair(name, device, debug_exact=False)
+    y1, y2, pairs = _grads(ref, mod, device, AUTOCAST[autocast])
+    assert_equal(y2, y1, "forward")
+    for what, g1, g2 in pairs:
+        assert g2.dtype == g1.dtype
+        # Linear's input grad (grad @ W) and every bias grad need no saved activation: exact
+        if what == "bias" or (name.startswith("linear") and what == "input"):
+            assert_equal(g2, g1, f"grad of {what}")
+            continue
+        db = sqnr_db(g1, g2)
+        assert db >= INT8_SQNR_FLOOR_DB, f"{name} grad of {what}: SQNR {db:.1f} dB"
+        assert db < float("inf"), f"{name} grad of {what} is exact: nothing was compressed?"
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_int8_keeps_fewer_bytes(name, device):
+    ref, mod = _pair(name, device, debug_exact=False)
+    x = torch.randn(4, 7, 96, device=device, requires_grad=True)
+    b_ref, _ = saved_activation_bytes(lambda: ref(x), ref.parameters())
+    b_mod, _ = saved_activation_bytes(lambda: mod(x), mod.parameters())
+    if b_ref:  # softmax keeps its fp32 output; the others their fp32 input
+        assert b_mod <= 0.3 * b_ref, f"{name}: kept {b_mod} bytes vs torch's {b_ref}"
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_plain_op_in_eval_and_no_grad(name, device):
+    _, mod = _pair(name, device, debug_exact=False)
+    x = torch.randn(2, 7, 96, device=device, requires_grad=True)
+    mod.eval()
+    y = mod(x)
+    assert "mesa_lite" not in type(y.grad_fn).__module__ and "Fn" not in type(y.grad_fn).__name__
+    mod.train()
+    with torch.no_grad():
+        assert mod(x).grad_fn is None
+    y = mod(x)
+    assert type(y.grad_fn).__name__.endswith("FnBackward"), type(y.grad_fn).__name__
+    # nothing needs grad: plain op
+    for p in mod.parameters():
+        p.requires_grad_(False)
+    assert mod(x.detach()).grad_fn is None
+
+
+# ---- MatMul ---------------------------------------------------------------------------------
+
+MATMUL_SHAPES = {
+    "2d": ((33, 64), (64, 17)),
+    "batched": ((2, 3, 33, 64), (2, 3, 64, 17)),
+    "broadcast_b": ((2, 3, 33, 64), (64, 17)),
+    "broadcast_batch": ((2, 1, 33, 64), (1, 3, 64, 17)),
+    "broadcast_a": ((33, 64), (2, 3, 64, 17)),
+}
+
+
+@pytest.mark.parametrize("autocast", AUTOCAST, ids=str)
+@pytest.mark.parametrize("shapes", MATMUL_SHAPES)
+@pytest.mark.parametrize("exact", [True, False], ids=["debug_exact", "int8"])
+def test_matmul(shapes, autocast, exact, device):
+    torch.manual_seed(0)
+    sa, sb = MATMUL_SHAPES[shapes]
+    a, b = torch.randn(sa, device=device), torch.randn(sb, device=device)
+    a1, b1 = a.clone().requires_grad_(), b.clone().requires_grad_()
+    a2, b2 = a.clone().requires_grad_(), b.clone().requires_grad_()
+    mm = mesa_lite.MatMul(QuantSpec(exact=exact))
+    ac = AUTOCAST[autocast]
+    with torch.autocast(device.type, dtype=ac or torch.float32, enabled=ac is not None):
+        y1, y2 = a1 @ b1, mm(a2, b2)
+    assert_equal(y2, y1, "forward")
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    y2.backward(g)
+    for what, g1, g2 in (("a", a1.grad, a2.grad), ("b", b1.grad, b2.grad)):
+        if exact and shapes == "broadcast_batch" and ac is not None:
+            # Both operands broadcast over batch dims: torch reduces the expanded half-precision
+            # product in its own order; we match it to 1 ulp, not bit for bit (documented).
+            torch.testing.assert_close(g2, g1, atol=0, rtol=2**-9)
+        elif exact:
+            assert_equal(g2, g1, f"grad of {what}")
+        else:
+            db = sqnr_db(g1, g2)
+            assert INT8_SQNR_FLOOR_DB <= db < float("inf"), f"grad of {what}: {db:.1f} dB"
+
+
+def test_matmul_below_2d_runs_plain_op():
+    a, b = torch.randn(5, requires_grad=True), torch.randn(5, 3, requires_grad=True)
+    y = mesa_lite.MatMul()(a, b)
+    assert_equal(y, a @ b)
+    assert "MatMulFn" not in type(y.grad_fn).__name__
+
+
+def test_softmax_codes_shared_with_next_matmul(device):
+    """attn = softmax(s); attn @ v keeps the softmax's uint8 codes, not a second copy."""
+    spec = QuantSpec()
+    s = torch.randn(2, 3, 50, 50, device=device, requires_grad=True)
+    v = torch.randn(2, 3, 50, 16, device=device, requires_grad=True)
+
+    def fwd(share):
+        attn = mesa_lite.modules.softmax(s, -1, spec)
+        if not share:
+            attn = attn * 1  # a different tensor: nothing to share
+        return mesa_lite.modules.matmul(attn, v, spec)
+
+    shared, out = saved_activation_bytes(lambda: fwd(True))
+    unshared, _ = saved_activation_bytes(lambda: fwd(False))
+    n_attn = s.numel()
+    assert unshared - shared >= n_attn, (shared, unshared)
+    # the shared path's gradients still match the exact ones
+    out.backward(torch.ones_like(out))
+    g_shared = s.grad.clone()
+    s.grad = None
+    ref = torch.softmax(s, -1) @ v
+    ref.backward(torch.ones_like(ref))
+    assert sqnr_db(s.grad, g_shared) >= INT8_SQNR_FLOOR_DB
+
+
+def test_shared_codes_not_reused_after_in_place_change():
+    spec = QuantSpec()
+    x = torch.randn(10, 10)
+    p = mesa_lite.quant.quantize(x, spec)
+    assert mesa_lite.quant.lookup_shared(x, spec) is not None
+    x.add_(1)
+    assert mesa_lite.quant.lookup_shared(x, spec) is None, "stale codes after an in-place change"
+    del p
+    assert mesa_lite.quant.lookup_shared(x, QuantSpec(group_size=64)) is None
+
+
+def test_stochastic_rounding_module_grads_close():
+    torch.manual_seed(0)
+    ref = nn.Linear(96, 64)
+    mod = mesa_lite.wrap(copy.deepcopy(ref), Config(rounding="stochastic"))
+    x = torch.randn(8, 96, requires_grad=True)
+    ref(x).sum().backward()
+    w_ref = ref.weight.grad.clone()
+    mod(x).sum().backward()
+    assert sqnr_db(w_ref, mod.weight.grad) >= INT8_SQNR_FLOOR_DB
