@@ -17,8 +17,10 @@ setup(
     long_description=(_here / "README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["mesa_lite", "mesa_lite.integrations", "mesa_lite.kernels"],
-    package_dir={"mesa_lite.kernels": "kernels"},
+    packages=["mesa_lite", "mesa_lite.integrations", "mesa_lite.kernels", "mesa_lite.benchmarks"],
+    # kernels/ and benchmarks/ live at the top of the repository but install inside mesa_lite,
+    # so there is no top-level `kernels` or `benchmarks` import after install.
+    package_dir={"mesa_lite.kernels": "kernels", "mesa_lite.benchmarks": "benchmarks"},
     install_requires=[
         "torch>=2.4",
         # Triton ships with torch's Linux builds; elsewhere the PyTorch reference runs.
@@ -28,5 +30,11 @@ setup(
         "test": ["pytest>=7", "hypothesis>=6", "timm>=1.0", "torchvision", "scikit-learn>=1.0"],
         "bench": ["timm>=1.0", "torchvision", "tqdm", "matplotlib", "scikit-learn>=1.0"],
         "dev": ["ruff>=0.4", "pytest>=7", "hypothesis>=6", "timm>=1.0", "torchvision"],
+    },
+    entry_points={
+        "console_scripts": [
+            "mesa-lite-deit-memory=mesa_lite.benchmarks.deit_memory:main",
+            "mesa-lite-train-deit=mesa_lite.benchmarks.train_deit:main",
+        ]
     },
 )

@@ -62,3 +62,9 @@ def saved_activation_bytes(fn, params=()) -> tuple[int, object]:
 @pytest.fixture(params=DEVICES)
 def device(request):
     return torch.device(request.param)
+
+
+@pytest.fixture
+def triton_device():
+    """Where Triton kernels run: compiled on the GPU, else in the interpreter on CPU tensors."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -32,33 +32,35 @@ def _step(codes_scales, n, group_size):
 @pytest.mark.parametrize("group_size", GROUPS, ids=lambda g: f"g{g}")
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_kernel_matches_reference_nearest(shape, dtype, group_size, signed, device):
-    x = _make(shape, dtype, device, signed)
+def test_kernel_matches_reference_nearest(shape, dtype, group_size, signed, triton_device):
+    x = _make(shape, dtype, triton_device, signed)
     codes, scales = gq.quantize(x, group_size, signed=signed, use_triton=True)
-    rcodes, rscales = gq.quantize_ref(x, group_size, signed=signed)
-    assert_equal(codes, rcodes, "codes")
-    assert_equal(scales, rscales, "scales")
+    # against the reference on the CPU, the one every CPU run uses
+    rcodes, rscales = gq.quantize_ref(x.cpu(), group_size, signed=signed)
+    assert_equal(codes.cpu(), rcodes, "codes")
+    assert_equal(scales.cpu(), rscales, "scales")
     assert codes.dtype == (torch.int8 if signed else torch.uint8)
     assert codes.numel() == x.numel() and scales.numel() == gq.n_groups_of(x.numel(), group_size)
     out = gq.dequantize(codes, scales, group_size, dtype, use_triton=True)
-    ref = gq.dequantize_ref(codes, scales, group_size, dtype)
-    assert_equal(out, ref, "dequantized")
+    ref = gq.dequantize_ref(rcodes, rscales, group_size, dtype)
+    assert_equal(out.cpu(), ref, "dequantized")
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_kernel_matches_reference_non_contiguous(dtype, device):
-    base = _make((64, 96), dtype, device, True)
+def test_kernel_matches_reference_non_contiguous(dtype, triton_device):
+    base = _make((64, 96), dtype, triton_device, True)
     for x in (base.t(), base[:, ::3], base[::2, 5:70]):
         assert not x.is_contiguous()
         codes, scales = gq.quantize(x, 128, use_triton=True)
-        rcodes, rscales = gq.quantize_ref(x.contiguous(), 128)
-        assert_equal(codes, rcodes, "codes")
-        assert_equal(scales, rscales, "scales")
+        rcodes, rscales = gq.quantize_ref(x.cpu().contiguous(), 128)
+        assert_equal(codes.cpu(), rcodes, "codes")
+        assert_equal(scales.cpu(), rscales, "scales")
 
 
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "reference"])
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-def test_nearest_error_within_half_step(use_triton, signed, device):
+def test_nearest_error_within_half_step(use_triton, signed, device, triton_device):
+    device = triton_device if use_triton else device
     x = _make((4, 999), torch.float32, device, signed, seed=3)
     cs = gq.quantize(x, 128, signed=signed, use_triton=use_triton)
     out = gq.dequantize(*cs, 128, torch.float32, use_triton=use_triton)
@@ -72,7 +74,10 @@ def test_nearest_error_within_half_step(use_triton, signed, device):
 
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "reference"])
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-def test_stochastic_rounding_unbiased_and_within_one_step(use_triton, signed, device):
+def test_stochastic_rounding_unbiased_and_within_one_step(
+    use_triton, signed, device, triton_device
+):
+    device = triton_device if use_triton else device
     torch.manual_seed(0)
     x = _make((512,), torch.float32, device, signed, seed=5)
     draws = 400
@@ -90,7 +95,8 @@ def test_stochastic_rounding_unbiased_and_within_one_step(use_triton, signed, de
 
 
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "reference"])
-def test_stochastic_rounding_reproducible_under_seed(use_triton, device):
+def test_stochastic_rounding_reproducible_under_seed(use_triton, device, triton_device):
+    device = triton_device if use_triton else device
     x = _make((3000,), torch.bfloat16, device, True, seed=7)
     torch.manual_seed(123)
     a = gq.quantize(x, 128, stochastic=True, use_triton=use_triton)
@@ -103,7 +109,8 @@ def test_stochastic_rounding_reproducible_under_seed(use_triton, device):
 
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "reference"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_special_values(use_triton, dtype, device):
+def test_special_values(use_triton, dtype, device, triton_device):
+    device = triton_device if use_triton else device
     inf, nan = float("inf"), float("nan")
     big = 1e30 if dtype != torch.float16 else 6e4
     vals = [1.0, inf, -2.0, 3.0, nan, 1.0, 0.0, 0.0, big, -big, -inf, 5.0, 0.0, 1e-3]
@@ -149,7 +156,8 @@ _special = st.sampled_from([float("inf"), float("-inf"), float("nan")])
     use_triton=st.booleans(),
 )
 def test_property_non_finite_preserved_and_error_bound(values, group_size, signed, use_triton):
-    x = torch.tensor(values, dtype=torch.float32)
+    dev = ("cuda" if torch.cuda.is_available() else "cpu") if use_triton else "cpu"
+    x = torch.tensor(values, dtype=torch.float32, device=dev)
     if not signed:
         x = x.abs()
     codes, scales = gq.quantize(x, group_size, signed=signed, use_triton=use_triton)
@@ -161,15 +169,17 @@ def test_property_non_finite_preserved_and_error_bound(values, group_size, signe
     err = (out - x).abs()[group_ok]
     bound = (0.5 * step * (1 + 1e-5) + x.abs() * 2**-23)[group_ok]
     assert (err <= bound).all()
-    rcodes, rscales = gq.quantize_ref(x, group_size, signed=signed)
-    assert_equal(codes, rcodes, "codes")
-    assert_equal(scales, rscales, "scales")
+    rcodes, rscales = gq.quantize_ref(x.cpu(), group_size, signed=signed)
+    assert_equal(codes.cpu(), rcodes, "codes")
+    assert_equal(scales.cpu(), rscales, "scales")
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a GPU")
 def test_cuda_default_path_is_triton_and_exact():
     x = torch.randn(4096 * 3 + 5, device="cuda", dtype=torch.float16)
     codes, scales = gq.quantize(x, 128)  # default: Triton on CUDA
-    rcodes, rscales = gq.quantize_ref(x, 128)
-    assert_equal(codes, rcodes, "codes")
-    assert_equal(scales, rscales, "scales")
+    rcodes, rscales = gq.quantize_ref(x.cpu(), 128)
+    assert_equal(codes.cpu(), rcodes, "codes")
+    assert_equal(scales.cpu(), rscales, "scales")
+    cuda_ref = gq.quantize_ref(x, 128)  # the reference on CUDA agrees too
+    assert_equal(cuda_ref[0].cpu(), rcodes, "codes (reference on CUDA)")

@@ -1,0 +1,1 @@
+"""User-facing benchmark and training scripts (run as ``python benchmarks/NAME.py``)."""

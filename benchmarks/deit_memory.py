@@ -1,0 +1,296 @@
+"""DeiT training memory and step time: plain AMP vs mesa_lite vs activation checkpointing.
+
+On a GPU, for each model, autocast dtype and attention mode, in one process and on the same
+inputs, each row runs full training steps (forward, backward, AdamW step; GradScaler with
+fp16) and reports:
+  peak    torch.cuda.max_memory_allocated() over the measured steps (after warm-up, so the
+          optimizer state exists);
+  static  torch.cuda.memory_allocated() before the measured steps (parameters, gradients,
+          AdamW state); peak - static is the activation part;
+  step    median step time (CUDA events) and images/s;
+and ratios against the plain AMP row of the same model, dtype and attention mode.
+
+Without a GPU it runs a small default (DeiT-Tiny, batch 8) and reports the bytes one forward
+keeps for backward (unique storages, Parameters excluded), labelled as such: not GPU memory.
+
+Writes PREFIX.jsonl (one row per line, with device, versions and date), PREFIX.md (the table)
+and PREFIX.png (bar chart of memory and step time); prints the table last.
+
+    python benchmarks/deit_memory.py                              # GPU: full matrix
+    python benchmarks/deit_memory.py --models deit_small_patch16_224 --dtype fp16 --attention fused
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from .common import MIB, StepTimer, environment, markdown_table, sync, write_jsonl
+except ImportError:  # run as a script
+    from common import MIB, StepTimer, environment, markdown_table, sync, write_jsonl
+
+import mesa_lite
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+MODELS = ["deit_tiny_patch16_224", "deit_small_patch16_224", "deit_base_patch16_224"]
+MODES = {
+    "amp": "plain AMP baseline",
+    "mesa": "mesa_lite (default Config)",
+    "ckpt": "timm activation checkpointing",
+}
+RESULTS = Path(__file__).parent / "results"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+    )
+    p.add_argument(
+        "--models", nargs="+", default=MODELS if gpu else MODELS[:1], metavar="NAME",
+        help="timm model names (default: DeiT-Ti/S/B on a GPU, DeiT-Ti on CPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--batch-size", type=int, default=128 if gpu else 8,
+        help="images per step (default: 128 on a GPU, 8 on CPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--dtype", nargs="+", choices=list(DTYPES), default=list(DTYPES) if gpu else ["bf16"],
+        help="autocast dtypes; fp16 uses a GradScaler (default: both on a GPU, bf16 on CPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--attention", nargs="+", choices=["fused", "explicit"], default=["fused", "explicit"],
+        help="timm attention: fused (F.scaled_dot_product_attention, timm's default) "
+        "and/or explicit (q @ k^T, softmax, @ v; the setting of Mesa's table)",
+    )  # fmt: skip
+    p.add_argument(
+        "--modes", nargs="+", choices=list(MODES), default=list(MODES) if gpu else ["amp", "mesa"],
+        help="rows: " + ", ".join(f"{k} = {v}" for k, v in MODES.items()),
+    )  # fmt: skip
+    p.add_argument("--steps", type=int, default=20 if gpu else 3, help="measured steps per row")
+    p.add_argument("--warmup", type=int, default=3 if gpu else 1, help="steps before measuring")
+    p.add_argument("--img-size", type=int, default=224, help="input resolution")
+    p.add_argument(
+        "--out", type=Path, default=None,
+        help="output prefix for .jsonl/.md/.png (default: benchmarks/results/deit_memory_gpu "
+        "or deit_memory_cpu)",
+    )  # fmt: skip
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
+    args = p.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if gpu else "cpu"
+    if args.out is None:
+        args.out = RESULTS / f"deit_memory_{'gpu' if args.device == 'cuda' else 'cpu'}"
+    if args.steps < 1 or args.batch_size < 1 or args.warmup < 0:
+        p.error("--steps and --batch-size must be >= 1, --warmup >= 0")
+    return args
+
+
+def make_model(name: str, attention: str, mode: str, img_size: int):
+    import timm
+
+    torch.manual_seed(0)  # every row of a model starts from the same weights
+    model = timm.create_model(name, pretrained=False, img_size=img_size)
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = attention == "fused"
+    if mode == "mesa":
+        mesa_lite.wrap(model)
+    elif mode == "ckpt":
+        model.set_grad_checkpointing(True)
+    return model.train()
+
+
+def _train_step(model, opt, scaler, x, y, dtype):
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    return loss
+
+
+def gpu_row(name, mode, dtype_name, attention, x, y, args) -> dict:
+    dtype = DTYPES[dtype_name]
+    device = x.device
+    model = make_model(name, attention, mode, args.img_size).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
+    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+    for _ in range(args.warmup):
+        _train_step(model, opt, scaler, x, y, dtype)
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    static = torch.cuda.memory_allocated(device)
+    timer = StepTimer(device)
+    for _ in range(args.steps):
+        with timer:
+            loss = _train_step(model, opt, scaler, x, y, dtype)
+    peak = torch.cuda.max_memory_allocated(device)
+    row = {
+        "peak_mib": peak / MIB,
+        "static_mib": static / MIB,
+        "activation_mib": (peak - static) / MIB,
+        "step_ms": timer.median_ms(),
+        "images_per_s": x.shape[0] / timer.median_ms() * 1e3,
+        "final_loss": float(loss.detach()),
+    }
+    del model, opt, scaler
+    return row
+
+
+def cpu_row(name, mode, dtype_name, attention, x, y, args) -> dict:
+    dtype = DTYPES[dtype_name]
+    model = make_model(name, attention, mode, args.img_size)
+    kept = mesa_lite.report.saved_bytes(model, x, autocast=dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    for _ in range(args.warmup):
+        _train_step(model, opt, scaler, x, y, dtype)
+    timer = StepTimer(x.device)
+    for _ in range(args.steps):
+        with timer:
+            loss = _train_step(model, opt, scaler, x, y, dtype)
+    return {
+        "kept_for_backward_mib": kept / MIB,
+        "step_ms": timer.median_ms(),
+        "images_per_s": x.shape[0] / timer.median_ms() * 1e3,
+        "final_loss": float(loss.detach()),
+    }
+
+
+def add_ratios(rows: list[dict], memory_key: str) -> None:
+    """Ratios against the amp row with the same model, dtype and attention."""
+    base = {(r["model"], r["dtype"], r["attention"]): r for r in rows if r["mode"] == "amp"}
+    for r in rows:
+        b = base.get((r["model"], r["dtype"], r["attention"]))
+        if b is None or "error" in r or "error" in b:
+            continue
+        r["memory_reduction"] = b[memory_key] / r[memory_key]
+        if "activation_mib" in r:
+            r["activation_reduction"] = b["activation_mib"] / r["activation_mib"]
+        r["step_ratio"] = r["step_ms"] / b["step_ms"]
+
+
+def table(rows: list[dict], gpu: bool) -> str:
+    short = lambda r: r["model"].replace("_patch16_224", "")  # noqa: E731
+    rows = [dict(r, model_short=short(r)) for r in rows]
+    cols = [("model_short", "model", "s"), ("dtype", "autocast", "s"),
+            ("attention", "attention", "s"), ("mode", "mode", "s")]  # fmt: skip
+    if gpu:
+        cols += [("peak_mib", "peak MiB", ".0f"), ("static_mib", "static MiB", ".0f"),
+                 ("activation_mib", "peak-static MiB", ".0f"), ("step_ms", "step ms", ".1f"),
+                 ("images_per_s", "img/s", ".0f"), ("memory_reduction", "peak reduction", ".2f"),
+                 ("activation_reduction", "activation reduction", ".2f"),
+                 ("step_ratio", "step ratio", ".2f")]  # fmt: skip
+    else:
+        cols += [("kept_for_backward_mib", "kept for backward MiB (CPU, not GPU peak)", ".1f"),
+                 ("memory_reduction", "reduction", ".2f"), ("step_ms", "CPU step ms", ".0f"),
+                 ("step_ratio", "step ratio", ".2f")]  # fmt: skip
+    return markdown_table(rows, cols)
+
+
+def plot(rows: list[dict], path: Path, memory_key: str, memory_label: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "error" not in r]
+    labels = [
+        f"{r['model'].replace('_patch16_224', '').replace('deit_', '')}\n{r['dtype']} "
+        f"{r['attention'][:5]}\n{r['mode']}"
+        for r in rows
+    ]
+    colors = {"amp": "tab:gray", "mesa": "tab:blue", "ckpt": "tab:orange"}
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.55 * len(rows)), 8), sharex=True)
+    for ax, key, ylabel in ((axes[0], memory_key, memory_label), (axes[1], "step_ms", "step ms")):
+        ax.bar(range(len(rows)), [r[key] for r in rows], color=[colors[r["mode"]] for r in rows])
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+    axes[1].set_xticks(range(len(rows)), labels, fontsize=6)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    axes[0].legend(handles, [MODES[m] for m in colors], fontsize=8)
+    axes[0].set_title(f"DeiT training, {rows[0]['device']}" if rows else "DeiT training")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    env = environment()
+    env["device"] = torch.cuda.get_device_name(device) if gpu else env["device"]
+    run_row = gpu_row if gpu else cpu_row
+    rows: list[dict] = []
+    for name in args.models:
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=g).to(device)
+        y = torch.randint(0, 1000, (args.batch_size,), generator=g).to(device)
+        for dtype_name in args.dtype:
+            for attention in args.attention:
+                for mode in args.modes:
+                    row = {"model": name, "batch": args.batch_size, "dtype": dtype_name,
+                           "attention": attention, "mode": mode, **env}  # fmt: skip
+                    try:
+                        row.update(run_row(name, mode, dtype_name, attention, x, y, args))
+                    except Exception as e:  # a row that fails (OOM) is reported, not hidden
+                        row["error"] = f"{type(e).__name__}: {e}"[:500]
+                        traceback.print_exc()
+                    gc.collect()
+                    if gpu:
+                        torch.cuda.empty_cache()
+                    rows.append(row)
+                    print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()
+                           if k not in env}, flush=True)  # fmt: skip
+        if "mesa" in args.modes:
+            where_memory_goes(name, args, x, device)
+    memory_key = "peak_mib" if gpu else "kept_for_backward_mib"
+    add_ratios(rows, memory_key)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(args.out.with_suffix(".jsonl"), rows)
+    text = table(rows, gpu)
+    header = (
+        f"DeiT training memory, batch {args.batch_size}, {env['device']}, torch {env['torch']}, "
+        f"triton {env['triton']}, timm {env['timm']}, {env['date']}.\n"
+    )
+    if not gpu:
+        header += (
+            "CPU run: memory is bytes kept for backward by one forward (unique storages, "
+            "Parameters excluded), not GPU peak memory.\n"
+        )
+    args.out.with_suffix(".md").write_text(header + "\n" + text + "\n")
+    if not args.no_plot:
+        label = "peak MiB (GPU)" if gpu else "kept for backward MiB (CPU)"
+        plot(rows, args.out.with_suffix(".png"), memory_key, label)
+    print()
+    print(header)
+    print(text)
+    return rows
+
+
+def where_memory_goes(name: str, args, x, device) -> None:
+    """memory_report of the wrapped model on one forward of the benchmark's batch, by type."""
+    model = make_model(name, args.attention[0], "mesa", args.img_size).to(device)
+    print(f"\nWhere {name} keeps memory for backward ({args.attention[0]} attention, "
+          f"{args.dtype[0]} autocast, batch {x.shape[0]}):")  # fmt: skip
+    report = mesa_lite.memory_report(model, x, autocast=DTYPES[args.dtype[0]], print_table=False)
+    print(report.table(by_kind=True))
+    del model, report
+    gc.collect()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

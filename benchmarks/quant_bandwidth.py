@@ -1,0 +1,93 @@
+"""Quantize/dequantize kernels against the device's copy bandwidth (GPU only).
+
+Bytes counted: quantize reads the input and writes int8 codes + fp32 scales; dequantize reads
+codes + scales and writes the output; copy reads and writes the input's dtype.
+
+    python benchmarks/quant_bandwidth.py --out benchmarks/results/quant_bandwidth_gpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+try:
+    from .common import environment, markdown_table, write_jsonl
+except ImportError:  # run as a script
+    from common import environment, markdown_table, write_jsonl
+
+from mesa_lite.kernels import group_quant as gq
+
+
+def _ms(fn, reps: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _measure(n: int, g: int, dtype: torch.dtype) -> dict:
+    x = torch.randn(n, device="cuda", dtype=dtype)
+    codes, scales = gq.quantize(x, g)
+    el = x.element_size()
+    copy_ms = _ms(lambda: x.clone())
+    q_ms = _ms(lambda: gq.quantize(x, g))
+    d_ms = _ms(lambda: gq.dequantize(codes, scales, g, dtype))
+    moved = n * el + n + scales.numel() * 4
+    row = {
+        "elements": n,
+        "group_size": g,
+        "copy_gbs": 2 * n * el / copy_ms / 1e6,
+        "quantize_gbs": moved / q_ms / 1e6,
+        "dequantize_gbs": moved / d_ms / 1e6,
+        "quantize_ms": q_ms,
+        "dequantize_ms": d_ms,
+    }
+    row["quantize_vs_copy"] = row["quantize_gbs"] / row["copy_gbs"]
+    row["dequantize_vs_copy"] = row["dequantize_gbs"] / row["copy_gbs"]
+    return row
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", nargs="+", type=float, default=[19.4e6, 77.5e6, 310e6])
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="fp16")
+    p.add_argument(
+        "--out", type=Path, default=Path(__file__).parent / "results" / "quant_bandwidth_gpu"
+    )
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    env = environment()
+    rows = [dict(_measure(n, args.group_size, dtype), dtype=args.dtype, **env)
+            for n in map(int, args.sizes)]  # fmt: skip
+    cols = [("elements", "elements", ","), ("copy_gbs", "copy GB/s", ".0f"),
+            ("quantize_gbs", "quantize GB/s", ".0f"), ("quantize_vs_copy", "vs copy", ".0%"),
+            ("dequantize_gbs", "dequantize GB/s", ".0f"),
+            ("dequantize_vs_copy", "vs copy", ".0%")]  # fmt: skip
+    text = markdown_table(rows, cols)
+    head = (
+        f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}, "
+        f"{args.dtype}, groups of {args.group_size}\n\n"
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(args.out.with_suffix(".jsonl"), rows)
+    args.out.with_suffix(".md").write_text(head + text + "\n")
+    print(head + text)
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,203 @@
+"""Train a timm DeiT with or without mesa_lite, DeiT-style.
+
+With ``--data-path`` it reads an ImageNet-layout folder (``train/`` and ``val/`` of class
+folders, torchvision ImageFolder) with DeiT's transforms (RandAugment, random erasing; resize
+and center crop for evaluation). Without it, it trains on synthetic data, so the script and
+its memory figures can be checked anywhere. AdamW with a linear warm-up and a cosine schedule,
+fp16 (with GradScaler) or bf16 autocast, a tqdm progress bar and DeiT-style log lines with
+loss, lr, time and ``max mem`` in MB. ``--output`` saves a checkpoint each epoch, ``--resume``
+continues from one (model, optimizer, scaler, schedule, epoch).
+
+    python benchmarks/train_deit.py --model deit_tiny_patch16_224 --mesa --epochs 1
+    python benchmarks/train_deit.py --data-path /data/imagenet --mesa --amp-dtype fp16 \
+        --batch-size 128 --epochs 300 --output runs/deit_tiny_mesa
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import mesa_lite
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+    )
+    p.add_argument("--model", default="deit_tiny_patch16_224", help="timm model name")
+    p.add_argument("--data-path", type=Path, default=None, help="ImageNet-layout folder")
+    p.add_argument(
+        "--mesa", action=argparse.BooleanOptionalAction, default=True,
+        help="wrap the model with mesa_lite (--no-mesa for the plain baseline)",
+    )  # fmt: skip
+    p.add_argument("--amp-dtype", choices=list(DTYPES), default="fp16", help="autocast dtype")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=5e-4, help="peak lr for batch 512, scaled linearly")
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--warmup-epochs", type=float, default=0.0)
+    p.add_argument("--min-lr", type=float, default=1e-5)
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--num-classes", type=int, default=None, help="default: from the data")
+    p.add_argument("--synthetic-size", type=int, default=256, help="images per synthetic epoch")
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--output", type=Path, default=None, help="folder for checkpoints")
+    p.add_argument("--resume", type=Path, default=None, help="checkpoint to continue from")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p.parse_args(argv)
+
+
+def build_data(args):
+    """(train loader, val loader or None, number of classes)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    if args.data_path is None:
+        g = torch.Generator().manual_seed(args.seed)
+        n_cls = args.num_classes or 10
+        x = torch.randn(args.synthetic_size, 3, args.img_size, args.img_size, generator=g)
+        y = torch.randint(0, n_cls, (args.synthetic_size,), generator=g)
+        ds = TensorDataset(x, y)
+        train = DataLoader(ds, args.batch_size, shuffle=True, drop_last=True, generator=g)
+        return train, DataLoader(ds, args.batch_size), n_cls
+
+    from timm.data import create_transform
+    from torchvision.datasets import ImageFolder
+
+    train_tf = create_transform(
+        args.img_size, is_training=True, auto_augment="rand-m9-mstd0.5-inc1",
+        interpolation="bicubic", re_prob=0.25, re_mode="pixel", re_count=1,
+    )  # fmt: skip
+    val_tf = create_transform(
+        args.img_size, is_training=False, interpolation="bicubic", crop_pct=0.875
+    )
+    train_ds = ImageFolder(args.data_path / "train", train_tf)
+    val_dir = args.data_path / "val"
+    val_ds = ImageFolder(val_dir, val_tf) if val_dir.is_dir() else None
+    kw = dict(num_workers=args.workers, pin_memory=True)
+    train = DataLoader(train_ds, args.batch_size, shuffle=True, drop_last=True, **kw)
+    val = DataLoader(val_ds, args.batch_size, **kw) if val_ds is not None else None
+    return train, val, args.num_classes or len(train_ds.classes)
+
+
+def lr_at(step: int, total: int, warmup: int, peak: float, floor: float) -> float:
+    """Linear warm-up, then cosine decay from ``peak`` to ``floor``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, dtype) -> float:
+    model.eval()
+    correct = total = 0
+    for x, y in loader:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            correct += (model(x).argmax(-1) == y).sum().item()
+        total += y.numel()
+    model.train()
+    return 100.0 * correct / max(1, total)
+
+
+def main(argv=None) -> dict:
+    import timm
+    from tqdm import tqdm
+
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    train, val, n_cls = build_data(args)
+    model = timm.create_model(
+        args.model, pretrained=False, num_classes=n_cls, img_size=args.img_size
+    )
+    if args.mesa:
+        mesa_lite.wrap(model)
+    model.to(device).train()
+    dtype = DTYPES[args.amp_dtype]
+    lr = args.lr * args.batch_size / 512
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    steps_per_epoch = len(train)
+    total = args.epochs * steps_per_epoch
+    warmup = int(args.warmup_epochs * steps_per_epoch)
+    start_epoch, step = 0, 0
+    if args.resume is not None:
+        ckpt = torch.load(args.resume, map_location=device, weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+        start_epoch, step = ckpt["epoch"] + 1, ckpt["step"]
+        torch.set_rng_state(ckpt["rng"])
+        print(f"resumed from {args.resume} at epoch {start_epoch}, step {step}")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    history = []
+    for epoch in range(start_epoch, args.epochs):
+        t_epoch = time.perf_counter()
+        bar = tqdm(train, desc=f"Epoch: [{epoch}]", leave=False, disable=not sys.stderr.isatty())
+        for i, (x, y) in enumerate(bar):
+            t0 = time.perf_counter()
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, total, warmup, lr, args.min_lr)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with torch.autocast(
+                device.type, dtype=dtype or torch.float32, enabled=dtype is not None
+            ):
+                loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            step += 1
+            loss_v = loss.item()
+            if not math.isfinite(loss_v) and dtype != torch.float16:
+                raise FloatingPointError(f"loss is {loss_v} at step {step}")
+            history.append(loss_v)
+            mem = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+            if i % args.log_every == 0 or i == steps_per_epoch - 1:
+                eta = (time.perf_counter() - t_epoch) / (i + 1) * (steps_per_epoch - i - 1)
+                print(
+                    f"Epoch: [{epoch}]  [{i:>4}/{steps_per_epoch}]  eta: {eta:.0f}s  "
+                    f"lr: {opt.param_groups[0]['lr']:.6f}  loss: {loss_v:.4f}  "
+                    f"time: {time.perf_counter() - t0:.4f}  max mem: {mem:.0f}",
+                    flush=True,
+                )
+            bar.set_postfix(loss=f"{loss_v:.3f}", mem=f"{mem:.0f}MB")
+            if args.max_steps is not None and step >= args.max_steps:
+                break
+        acc = evaluate(model, val, device, dtype) if val is not None else None
+        print(f"Epoch: [{epoch}] done in {time.perf_counter() - t_epoch:.1f}s; val acc@1: {acc}")
+        if args.output is not None:
+            args.output.mkdir(parents=True, exist_ok=True)
+            state = {
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "scaler": scaler.state_dict(),
+                "epoch": epoch,
+                "step": step,
+                "rng": torch.get_rng_state(),
+                "args": vars(args),
+            }
+            torch.save(state, args.output / "checkpoint.pth")
+        if args.max_steps is not None and step >= args.max_steps:
+            break
+    return {"losses": history, "step": step, "model": model}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

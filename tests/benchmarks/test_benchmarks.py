@@ -1,0 +1,112 @@
+"""The benchmark harness and the training script, on CPU with a small input size."""
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import deit_memory, train_deit
+
+pytest.importorskip("timm")
+
+
+@pytest.mark.slow
+def test_deit_memory_cpu_rows_consistent(tmp_path):
+    out = tmp_path / "dm"
+    rows = deit_memory.main(
+        [
+            "--device",
+            "cpu",
+            "--img-size",
+            "64",
+            "--batch-size",
+            "2",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ]  # fmt: skip
+    )
+    lines = [json.loads(s) for s in out.with_suffix(".jsonl").read_text().splitlines()]
+    assert lines == json.loads(json.dumps(rows))
+    assert {(r["attention"], r["mode"]) for r in lines} == {
+        ("fused", "amp"),
+        ("fused", "mesa"),
+        ("explicit", "amp"),
+        ("explicit", "mesa"),
+    }
+    for r in lines:
+        for key in ("device", "torch", "triton", "timm", "date", "model", "batch", "dtype"):
+            assert key in r
+        assert "error" not in r
+        base = next(b for b in lines if b["mode"] == "amp" and b["attention"] == r["attention"])
+        assert r["memory_reduction"] == pytest.approx(
+            base["kept_for_backward_mib"] / r["kept_for_backward_mib"]
+        )
+        assert r["step_ratio"] == pytest.approx(r["step_ms"] / base["step_ms"])
+        assert r["kept_for_backward_mib"] > 0 and r["step_ms"] > 0
+    mesa = {r["attention"]: r for r in lines if r["mode"] == "mesa"}
+    assert mesa["explicit"]["memory_reduction"] > 1.8 and mesa["fused"]["memory_reduction"] > 1.3
+    md = out.with_suffix(".md").read_text()
+    assert "not GPU peak memory" in md and "| deit_tiny | bf16 | fused | mesa |" in md
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_deit_memory_help(capsys):
+    with pytest.raises(SystemExit):
+        deit_memory.main(["--help"])
+    text = capsys.readouterr().out
+    for opt in ("--models", "--batch-size", "--dtype", "--attention", "--steps", "--out"):
+        assert opt in text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_deit_memory_gpu_rows_consistent(tmp_path):
+    out = tmp_path / "dm"
+    rows = deit_memory.main(
+        [
+            "--models",
+            "deit_tiny_patch16_224",
+            "--batch-size",
+            "16",
+            "--dtype",
+            "fp16",
+            "--steps",
+            "3",
+            "--warmup",
+            "2",
+            "--out",
+            str(out),
+            "--no-plot",
+        ]  # fmt: skip
+    )
+    base = {r["attention"]: r for r in rows if r["mode"] == "amp"}
+    for r in rows:
+        assert r["peak_mib"] >= r["static_mib"] > 0
+        assert r["activation_mib"] == pytest.approx(r["peak_mib"] - r["static_mib"])
+        b = base[r["attention"]]
+        assert r["memory_reduction"] == pytest.approx(b["peak_mib"] / r["peak_mib"])
+
+
+@pytest.mark.slow
+def test_train_deit_synthetic_checkpoint_and_resume(tmp_path, capsys):
+    common = ["--model", "deit_tiny_patch16_224", "--img-size", "32", "--batch-size", "8",
+              "--synthetic-size", "32", "--amp-dtype", "bf16", "--device", "cpu", "--log-every", "1"]  # fmt: skip
+    res = train_deit.main(common + ["--epochs", "1", "--output", str(tmp_path)])
+    assert res["step"] == 4 and all(torch.isfinite(torch.tensor(res["losses"])))
+    out = capsys.readouterr().out
+    assert "max mem:" in out and "lr:" in out and "loss:" in out
+    ckpt = tmp_path / "checkpoint.pth"
+    assert ckpt.exists()
+    res2 = train_deit.main(common + ["--epochs", "2", "--resume", str(ckpt)])
+    assert res2["step"] == 8 and len(res2["losses"]) == 4
+    assert "resumed from" in capsys.readouterr().out
+    # the checkpoint of a wrapped model loads strictly into a plain one
+    import timm
+
+    plain = timm.create_model(
+        "deit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=32
+    )
+    plain.load_state_dict(torch.load(ckpt, weights_only=False)["model"], strict=True)
