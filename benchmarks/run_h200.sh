@@ -10,7 +10,7 @@ shift || true
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, timm; print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__)" | tee -a "$OUT/gpu.txt"
-pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || pip install --no-deps --no-build-isolation -e .
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i "warning" || true
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -p no:warnings -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.txt"
   python3 -m pytest -q -s -p no:warnings -p no:cacheprovider tests/models -k cuda 2>&1 | grep -E "dB|MiB|passed|failed" | tee "$OUT/deit_cuda.txt"
