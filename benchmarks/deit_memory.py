@@ -49,22 +49,21 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n\n".join(__doc__.split("\n\n")[1:]),
     )
     p.add_argument(
-        "--models", nargs="+", default=MODELS if gpu else MODELS[:1], metavar="NAME",
+        "--models", nargs="+", default=None, metavar="NAME",
         help="timm model names (default: DeiT-Ti/S/B on a GPU, DeiT-Ti on CPU)",
     )  # fmt: skip
     p.add_argument(
-        "--batch-size", type=int, default=128 if gpu else 8,
+        "--batch-size", type=int, default=None,
         help="images per step (default: 128 on a GPU, 8 on CPU)",
     )  # fmt: skip
     p.add_argument(
-        "--dtype", nargs="+", choices=list(DTYPES), default=list(DTYPES) if gpu else ["bf16"],
+        "--dtype", nargs="+", choices=list(DTYPES), default=None,
         help="autocast dtypes; fp16 uses a GradScaler (default: both on a GPU, bf16 on CPU)",
     )  # fmt: skip
     p.add_argument(
@@ -73,22 +72,38 @@ def parse_args(argv=None) -> argparse.Namespace:
         "and/or explicit (q @ k^T, softmax, @ v; the setting of Mesa's table)",
     )  # fmt: skip
     p.add_argument(
-        "--modes", nargs="+", choices=list(MODES), default=list(MODES) if gpu else ["amp", "mesa"],
-        help="rows: " + ", ".join(f"{k} = {v}" for k, v in MODES.items()),
+        "--modes", nargs="+", choices=list(MODES), default=None,
+        help="rows: " + ", ".join(f"{k} = {v}" for k, v in MODES.items())
+        + " (default: all on a GPU, amp and mesa on CPU)",
     )  # fmt: skip
-    p.add_argument("--steps", type=int, default=20 if gpu else 3, help="measured steps per row")
-    p.add_argument("--warmup", type=int, default=3 if gpu else 1, help="steps before measuring")
+    p.add_argument("--steps", type=int, default=None, help="measured steps (default: 20; CPU 3)")
+    p.add_argument("--warmup", type=int, default=None, help="steps before measuring (3; CPU 1)")
     p.add_argument("--img-size", type=int, default=224, help="input resolution")
     p.add_argument(
         "--out", type=Path, default=None,
         help="output prefix for .jsonl/.md/.png (default: benchmarks/results/deit_memory_gpu "
         "or deit_memory_cpu)",
     )  # fmt: skip
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument(
+        "--device", choices=["auto", "cuda", "cpu"], default="auto",
+        help="auto: cuda when a GPU is present; the defaults above follow the device",
+    )  # fmt: skip
     p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
     args = p.parse_args(argv)
     if args.device == "auto":
-        args.device = "cuda" if gpu else "cpu"
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    gpu = args.device == "cuda"
+    defaults = {
+        "models": MODELS if gpu else MODELS[:1],
+        "batch_size": 128 if gpu else 8,
+        "dtype": list(DTYPES) if gpu else ["bf16"],
+        "modes": list(MODES) if gpu else ["amp", "mesa"],
+        "steps": 20 if gpu else 3,
+        "warmup": 3 if gpu else 1,
+    }
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.out is None:
         args.out = RESULTS / f"deit_memory_{'gpu' if args.device == 'cuda' else 'cpu'}"
     if args.steps < 1 or args.batch_size < 1 or args.warmup < 0:

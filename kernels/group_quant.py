@@ -21,6 +21,8 @@ the kernel and from ``torch.rand`` in the reference: both are unbiased, they are
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:  # Triton is optional: without it (or without CUDA) the reference runs.
@@ -148,22 +150,31 @@ if HAS_TRITON:
         scales_ptr,  # (n_groups,) fp32
         out_ptr,  # (n,) fp32/fp16, or int16 holding bf16 bits when OUT_BF16
         n,
+        n_groups,
         group_size,
         OUT_BF16: tl.constexpr,
+        ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        q = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.float32)
-        s = tl.load(scales_ptr + offs // group_size, mask=mask, other=0.0)
-        v = q * s
-        if OUT_BF16:
-            tl.store(out_ptr + offs, _bf16_bits_rtne(v), mask=mask)
-        else:
-            tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+        # Tiled like the quantize kernel: one scale load per group, no per-element division.
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < n_groups
+        base = rows.to(tl.int64) * group_size
+        s = tl.load(scales_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        cols = tl.arange(0, BLOCK)
+        for start in range(0, group_size, BLOCK):
+            c = start + cols
+            offs = base[:, None] + c[None, :]
+            mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
+            v = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.float32) * s
+            if OUT_BF16:
+                tl.store(out_ptr + offs, _bf16_bits_rtne(v), mask=mask)
+            else:
+                tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _quantize_launch_shape(group_size: int) -> tuple[int, int]:
+@functools.lru_cache(maxsize=64)
+def _launch_shape(group_size: int) -> tuple[int, int]:
     """(ROWS, BLOCK): BLOCK covers a group up to 1024 elements, ROWS fills ~4096 per program."""
     block = min(triton.next_power_of_2(group_size), 1024)
     rows = max(1, 4096 // block)
@@ -205,7 +216,7 @@ def quantize(
     qmin, qmax = qrange(signed)
     # The Philox seed comes from torch's CPU generator: reproducible under torch.manual_seed.
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if stochastic else 0
-    rows, block = _quantize_launch_shape(group_size)
+    rows, block = _launch_shape(group_size)
     grid = (triton.cdiv(ng, rows),)
     _quantize_kernel[grid](
         x, codes, scales, n, ng, group_size, seed,
@@ -276,15 +287,18 @@ def dequantize(
     out = torch.empty(n, dtype=dtype, device=codes.device)
     if n == 0:
         return out
-    block = 1024
     bf16 = dtype == torch.bfloat16
-    _dequantize_kernel[(triton.cdiv(n, block),)](
+    ng = n_groups_of(n, group_size)
+    rows, block = _launch_shape(group_size)
+    _dequantize_kernel[(triton.cdiv(ng, rows),)](
         codes,
         scales.contiguous(),
         out.view(torch.int16) if bf16 else out,
         n,
+        ng,
         group_size,
         OUT_BF16=bf16,
+        ROWS=rows,
         BLOCK=block,
     )
     return out

@@ -2,7 +2,8 @@
 
 Autocast: the modules resolve the dtype autocast would run each op in (``compute_dtype``), cast
 the inputs to it outside the Function (so autograd casts the gradients back as autocast's own
-casts would), and the Functions run the same aten op on the cast inputs. Forward outputs are
+casts would), and the Functions run the same aten op on the cast inputs (autocast, still on,
+then has nothing left to cast). Forward outputs are
 therefore bit-identical to PyTorch's, with and without autocast, on any device.
 """
 
@@ -60,10 +61,6 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
-def _no_autocast(device: torch.device):
-    return torch.autocast(device_type=device.type, enabled=False)
-
-
 def _keep(x: torch.Tensor, spec: QuantSpec, signed: bool = True, share_key=None) -> quant.Packed:
     """Quantizes ``x``, or reuses the codes already made from ``share_key`` (default ``x``)."""
     shared = quant.lookup_shared(x if share_key is None else share_key, spec)
@@ -79,9 +76,7 @@ class LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, dtype: torch.dtype, spec: QuantSpec):
-        w = _cast(weight, dtype)
-        with _no_autocast(x.device):
-            out = F.linear(x, w, _cast(bias, dtype))
+        out = F.linear(x, _cast(weight, dtype), _cast(bias, dtype))
         quant.save(ctx, _keep(x, spec), weight)
         ctx.dtype = dtype
         ctx.has_bias = bias is not None
@@ -109,8 +104,7 @@ class LinearFn(torch.autograd.Function):
 class GELUFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, approximate: str, spec: QuantSpec):
-        with _no_autocast(x.device):
-            out = F.gelu(x, approximate=approximate)
+        out = F.gelu(x, approximate=approximate)
         quant.save(ctx, _keep(x, spec))
         ctx.approximate = approximate
         return out
@@ -150,8 +144,7 @@ class LayerNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps: float, spec: QuantSpec):
-        with _no_autocast(x.device):
-            out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
         quant.save(ctx, _keep(x, spec), mean, rstd, weight, bias)
         ctx.normalized_shape = normalized_shape
         return out
@@ -184,8 +177,7 @@ class MatMulFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, b, spec: QuantSpec, shares=(None, None)):
-        with _no_autocast(a.device):
-            out = torch.matmul(a, b)
+        out = torch.matmul(a, b)
         quant.save(ctx, _keep(a, spec, share_key=shares[0]), _keep(b, spec, share_key=shares[1]))
         ctx.dtypes = (a.dtype, b.dtype)
         return out

@@ -11,7 +11,6 @@ only weak references, keyed by the tensor's identity and checked against its ver
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 
 import torch
@@ -22,9 +21,8 @@ from mesa_lite.kernels import group_quant
 __all__ = ["Packed", "quantize", "dequantize", "lookup_shared", "save", "load"]
 
 
-@dataclasses.dataclass(frozen=True)
 class Packed:
-    """A compressed tensor.
+    """A compressed tensor (a plain slotted class: it is built on every forward and backward).
 
     Attributes:
         codes: flat int8/uint8 codes, or the exact tensor itself when ``spec.exact``.
@@ -35,18 +33,31 @@ class Packed:
         signed: int8 symmetric codes (True) or uint8 non-negative codes (False).
     """
 
-    codes: torch.Tensor
-    scales: torch.Tensor | None
-    shape: torch.Size
-    dtype: torch.dtype
-    spec: QuantSpec
-    signed: bool = True
+    __slots__ = ("codes", "scales", "shape", "dtype", "spec", "signed")
+
+    def __init__(self, codes, scales, shape, dtype, spec: QuantSpec, signed: bool = True) -> None:
+        self.codes = codes
+        self.scales = scales
+        self.shape = shape
+        self.dtype = dtype
+        self.spec = spec
+        self.signed = signed
+
+    def meta(self) -> tuple:
+        """Everything but the tensors, to rebuild with ``Packed(codes, scales, *meta)``."""
+        return (self.shape, self.dtype, self.spec, self.signed)
 
     def nbytes(self) -> int:
         n = self.codes.numel() * self.codes.element_size()
         if self.scales is not None:
             n += self.scales.numel() * self.scales.element_size()
         return n
+
+    def __repr__(self) -> str:
+        return (
+            f"Packed(shape={tuple(self.shape)}, dtype={self.dtype}, {self.spec.describe()}, "
+            f"signed={self.signed}, {self.nbytes()} bytes)"
+        )
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -93,8 +104,7 @@ def _register(x: torch.Tensor, p: Packed) -> None:
     key = id(x)
     ref = weakref.ref(x, lambda _r, key=key: _SHARED.pop(key, None))
     scales_ref = weakref.ref(p.scales) if p.scales is not None else None
-    meta = dataclasses.replace(p, codes=None, scales=None)
-    _SHARED[key] = (ref, x._version, weakref.ref(p.codes), scales_ref, meta)
+    _SHARED[key] = (ref, x._version, weakref.ref(p.codes), scales_ref, p.meta())
 
 
 def lookup_shared(x: torch.Tensor, spec: QuantSpec) -> Packed | None:
@@ -113,11 +123,12 @@ def lookup_shared(x: torch.Tensor, spec: QuantSpec) -> Packed | None:
     scales = scales_ref() if scales_ref is not None else None
     if codes is None or (scales_ref is not None and scales is None):
         return None
-    if meta.spec.exact != spec.exact or meta.spec.bits != spec.bits:
+    kept = meta[2]
+    if kept.exact != spec.exact or kept.bits != spec.bits:
         return None
-    if not spec.exact and meta.spec.group_size != spec.group_size:
+    if not spec.exact and kept.group_size != spec.group_size:
         return None
-    return dataclasses.replace(meta, codes=codes, scales=scales)
+    return Packed(codes, scales, *meta)
 
 
 # ---- keeping Packed objects on an autograd ctx ----------------------------------------------
@@ -126,11 +137,11 @@ def lookup_shared(x: torch.Tensor, spec: QuantSpec) -> Packed | None:
 def save(ctx, *items: Packed | torch.Tensor | None) -> None:
     """``ctx.save_for_backward`` for a mix of Packed, tensors and None; metadata rides on ctx."""
     tensors: list[torch.Tensor | None] = []
-    layout: list[Packed | None] = []
+    layout: list[tuple | None] = []
     for item in items:
         if isinstance(item, Packed):
             tensors += [item.codes, item.scales]
-            layout.append(dataclasses.replace(item, codes=None, scales=None))
+            layout.append(item.meta())
         else:
             tensors.append(item)
             layout.append(None)
@@ -147,5 +158,5 @@ def load(ctx) -> list[Packed | torch.Tensor | None]:
             out.append(next(saved))
         else:
             codes, scales = next(saved), next(saved)
-            out.append(dataclasses.replace(meta, codes=codes, scales=scales))
+            out.append(Packed(codes, scales, *meta))
     return out
