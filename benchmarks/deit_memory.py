@@ -139,6 +139,8 @@ def _train_step(model, opt, scaler, x, y, dtype):
 def gpu_row(name, mode, dtype_name, attention, x, y, args) -> dict:
     dtype = DTYPES[dtype_name]
     device = x.device
+    # what is allocated before the row starts (the inputs only, if earlier rows freed all)
+    before = torch.cuda.memory_allocated(device)
     model = make_model(name, attention, mode, args.img_size).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
@@ -159,6 +161,7 @@ def gpu_row(name, mode, dtype_name, attention, x, y, args) -> dict:
         "step_ms": timer.median_ms(),
         "images_per_s": x.shape[0] / timer.median_ms() * 1e3,
         "final_loss": float(loss.detach()),
+        "allocated_before_row_mib": before / MIB,
     }
     del model, opt, scaler
     return row

@@ -115,7 +115,9 @@ def _attribute(model: nn.Module, fn) -> tuple[dict[str, int], int, object]:
         key = st.data_ptr()
         if key not in skip and key not in seen:
             seen[key] = (stack[-1] if stack else "", st.nbytes())
-        return t
+        # detach: returning a saved output itself would tie it to its own grad_fn, a reference
+        # cycle through C++ that Python's GC cannot see, and leak the whole graph
+        return t.detach()
 
     handles = [m.register_forward_pre_hook(pre) for m in names]
     handles += [m.register_forward_hook(post, always_call=True) for m in names]

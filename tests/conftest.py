@@ -52,7 +52,7 @@ def saved_activation_bytes(fn, params=()) -> tuple[int, object]:
         st = t.untyped_storage()
         if st.data_ptr() not in skip:
             seen[st.data_ptr()] = st.nbytes()
-        return t
+        return t.detach()  # t itself would make a reference cycle for saved outputs
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()

@@ -1,5 +1,7 @@
 """memory_report: per-module bytes kept for backward, totals checked independently."""
 
+import gc
+
 import torch
 import torch.nn as nn
 from conftest import saved_activation_bytes
@@ -61,3 +63,20 @@ def test_report_under_autocast():
     )
     assert r.plain_total > r.compressed_total > 0
     assert "total" in r.table(by_kind=True, top=2)
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+
+def test_report_frees_every_graph():
+    """The forwards memory_report runs must not leave their graphs alive."""
+    model = mesa_lite.wrap(nn.Sequential(Block(), nn.Softmax(-1)))
+    x = torch.randn(2, 20, 64)
+    mesa_lite.memory_report(model, x, print_table=False)
+    before = _live_tensors()
+    for _ in range(3):
+        mesa_lite.memory_report(model, x, print_table=False)
+        saved_bytes(model, x)
+    assert _live_tensors() <= before
