@@ -10,7 +10,9 @@ element, ``round(x / scale)`` clamped to ``[qmin, qmax]``:
 Non-finite values stay non-finite. A group holding NaN gets a NaN scale, so the whole group
 dequantizes to NaN. A group holding +-inf (and no NaN) gets an inf scale; the infinite elements
 get code +-qmax and dequantize to +-inf, the finite ones get code 0 and dequantize to NaN
-(0 * inf). An all-zero group has scale 0 and dequantizes to exact zeros.
+(0 * inf). An all-zero group has scale 0 and dequantizes to exact zeros, and so does a group
+whose absmax is a denormal below ``qmax * 2**-149`` (about 1.8e-43 signed, 3.6e-43 unsigned):
+its scale underflows to 0, so such values flush to zero.
 
 Bit-exactness between kernel and reference: both compute ``scale = absmax / qmax`` and
 ``x / scale`` with IEEE round-to-nearest division (``tl.math.div_rn``; a tensor-by-tensor

@@ -5,8 +5,9 @@ Functions keep its tensors through ``ctx.save_for_backward`` (``save``/``load`` 
 PyTorch's saved-tensor hooks and checkpointing see them.
 
 Sharing: when two ops keep the same tensor object (a softmax output that the next matmul also
-keeps), the second reuses the first one's codes instead of quantizing again. The registry holds
-only weak references, keyed by the tensor's identity and checked against its version counter.
+keeps), the second reuses the first one's codes instead of quantizing again. The registry is
+keyed by the tensor's identity, checked against its version counter, and drops an entry when
+that tensor dies.
 """
 
 from __future__ import annotations
@@ -96,15 +97,22 @@ def dequantize(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 # ---- sharing one copy between ops that keep the same tensor --------------------------------
 
-# id(tensor) -> (weakref to tensor, its version, weakref to codes, weakref to scales, Packed meta)
+# id(tensor) -> (weakref to tensor, its version, codes, scales, Packed meta)
 _SHARED: dict[int, tuple] = {}
 
 
 def _register(x: torch.Tensor, p: Packed) -> None:
+    """Remembers ``p`` as made from ``x`` while ``x`` lives.
+
+    The entry holds the codes strongly (a saved-tensor hook may keep an alias instead of the
+    object saved, so a weak reference could die while the storage lives) and is dropped when
+    ``x`` dies; codes are smaller than ``x``, so this never outlives a larger tensor. In the
+    exact mode the codes are ``x`` itself and are not held.
+    """
     key = id(x)
     ref = weakref.ref(x, lambda _r, key=key: _SHARED.pop(key, None))
-    scales_ref = weakref.ref(p.scales) if p.scales is not None else None
-    _SHARED[key] = (ref, x._version, weakref.ref(p.codes), scales_ref, p.meta())
+    codes = None if p.codes is x else p.codes
+    _SHARED[key] = (ref, x._version, codes, p.scales, p.meta())
 
 
 def lookup_shared(x: torch.Tensor, spec: QuantSpec) -> Packed | None:
@@ -116,19 +124,15 @@ def lookup_shared(x: torch.Tensor, spec: QuantSpec) -> Packed | None:
     entry = _SHARED.get(id(x))
     if entry is None:
         return None
-    ref, version, codes_ref, scales_ref, meta = entry
+    ref, version, codes, scales, meta = entry
     if ref() is not x or x._version != version:
-        return None
-    codes = codes_ref()
-    scales = scales_ref() if scales_ref is not None else None
-    if codes is None or (scales_ref is not None and scales is None):
         return None
     kept = meta[2]
     if kept.exact != spec.exact or kept.bits != spec.bits:
         return None
     if not spec.exact and kept.group_size != spec.group_size:
         return None
-    return Packed(codes, scales, *meta)
+    return Packed(x if codes is None else codes, scales, *meta)
 
 
 # ---- keeping Packed objects on an autograd ctx ----------------------------------------------

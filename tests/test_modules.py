@@ -186,6 +186,25 @@ def test_softmax_codes_shared_with_next_matmul(device):
     assert sqnr_db(s.grad, g_shared) >= INT8_SQNR_FLOOR_DB
 
 
+def test_sharing_survives_hooks_that_keep_aliases():
+    """A saved-tensor hook that stores an alias (as offloading or our counters do) must not
+    break sharing: the codes outlive the object first saved."""
+    spec = QuantSpec()
+    s = torch.randn(2, 3, 40, 40, requires_grad=True)
+    v = torch.randn(2, 3, 40, 8, requires_grad=True)
+    seen = []
+
+    def pack(t):
+        seen.append(t.untyped_storage().data_ptr())
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = mesa_lite.modules.matmul(mesa_lite.modules.softmax(s, -1, spec), v, spec)
+    # softmax keeps (codes, scales); matmul keeps the same two plus v's codes and scales
+    assert len(seen) == 6 and len(set(seen)) == 4, seen
+    out.sum().backward()
+
+
 def test_shared_codes_not_reused_after_in_place_change():
     spec = QuantSpec()
     x = torch.randn(10, 10)

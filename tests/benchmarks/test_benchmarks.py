@@ -88,8 +88,11 @@ def test_deit_memory_gpu_rows_consistent(tmp_path):
         assert r["activation_mib"] == pytest.approx(r["peak_mib"] - r["static_mib"])
         b = base[r["attention"]]
         assert r["memory_reduction"] == pytest.approx(b["peak_mib"] / r["peak_mib"])
-        # nothing but the inputs (16x3x224x224 fp32, under 10 MiB) outlives a row
-        assert r["allocated_before_row_mib"] < 20
+    # Nothing a row allocates outlives it: from the second row on (the first row's matmuls
+    # create cuBLAS's persistent workspace, which the allocator counts) the memory allocated
+    # when a row starts stays the same.
+    before = [r["allocated_before_row_mib"] for r in rows]
+    assert max(before[1:]) - min(before[1:]) < 2, before
 
 
 @pytest.mark.slow
