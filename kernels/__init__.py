@@ -5,9 +5,12 @@ This package never imports the rest of mesa_lite.
 
 from .group_quant import (
     HAS_TRITON,
+    SUPPORTED_BITS,
     dequantize,
     dequantize_ref,
+    n_code_bytes,
     n_groups_of,
+    per_byte,
     qrange,
     quantize,
     quantize_ref,
@@ -15,6 +18,9 @@ from .group_quant import (
 
 __all__ = [
     "HAS_TRITON",
+    "SUPPORTED_BITS",
+    "n_code_bytes",
+    "per_byte",
     "dequantize",
     "dequantize_ref",
     "n_groups_of",

@@ -1,18 +1,26 @@
-"""Group-wise absmax quantization to 8-bit codes: Triton kernels, launchers, PyTorch references.
+"""Group-wise absmax quantization to 8, 4 or 2-bit codes: Triton kernels, launchers, references.
 
 The flattened (row-major) tensor is cut into groups of ``group_size`` contiguous elements; the
 last group may be short. Each group keeps one fp32 scale ``absmax / qmax`` and one code per
 element, ``round(x / scale)`` clamped to ``[qmin, qmax]``:
 
-- signed:   int8 codes in [-127, 127], qmax = 127 (symmetric; -128 is never produced);
-- unsigned: uint8 codes in [0, 255],  qmax = 255, for tensors known to be non-negative.
+| bits | signed codes (qmin..qmax) | unsigned codes | storage |
+|---|---|---|---|
+| 8 | -127..127 (int8; -128 unused) | 0..255 (uint8) | one byte per element |
+| 4 | -7..7 | 0..15 | two per byte, ``code - qmin`` in 4 bits |
+| 2 | -1..1 | 0..3 | four per byte, ``code - qmin`` in 2 bits |
+
+Unsigned codes are for tensors known to be non-negative (softmax outputs). Packed codes (4 and
+2 bits) are stored low bits first: element ``i`` sits in byte ``i // per_byte`` at bit
+``(i % per_byte) * bits``; the group size must be a multiple of ``per_byte`` so that no byte
+spans two groups.
 
 Non-finite values stay non-finite. A group holding NaN gets a NaN scale, so the whole group
 dequantizes to NaN. A group holding +-inf (and no NaN) gets an inf scale; the infinite elements
 get code +-qmax and dequantize to +-inf, the finite ones get code 0 and dequantize to NaN
 (0 * inf). An all-zero group has scale 0 and dequantizes to exact zeros, and so does a group
-whose absmax is a denormal below ``qmax * 2**-149`` (about 1.8e-43 signed, 3.6e-43 unsigned):
-its scale underflows to 0, so such values flush to zero.
+whose absmax is a denormal below ``qmax * 2**-149`` (about 1.8e-43 for 8-bit signed): its scale
+underflows to 0, so such values flush to zero. (Unsigned codes of -inf clamp to 0: NaN.)
 
 Bit-exactness between kernel and reference: both compute ``scale = absmax / qmax`` and
 ``x / scale`` with IEEE round-to-nearest division (``tl.math.div_rn``; a tensor-by-tensor
@@ -36,41 +44,74 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     HAS_TRITON = False
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_BITS = (8, 4, 2)
 
 
-def qrange(signed: bool) -> tuple[int, int]:
-    """Returns (qmin, qmax) of the 8-bit code range."""
-    return (-127, 127) if signed else (0, 255)
+def qrange(signed: bool, bits: int = 8) -> tuple[int, int]:
+    """Returns (qmin, qmax) of the code range."""
+    top = (1 << (bits - 1)) - 1
+    return (-top, top) if signed else (0, (1 << bits) - 1)
+
+
+def per_byte(bits: int) -> int:
+    return 8 // bits
 
 
 def n_groups_of(numel: int, group_size: int) -> int:
     return (numel + group_size - 1) // group_size
 
 
-def _check_quantize_args(x: torch.Tensor, group_size: int) -> None:
+def n_code_bytes(numel: int, bits: int) -> int:
+    return (numel + per_byte(bits) - 1) // per_byte(bits)
+
+
+def _check_bits_group(bits: int, group_size: int, where: str) -> None:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(f"{where}: group_size must be a positive int, got {group_size!r}")
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"{where}: bits must be one of {list(SUPPORTED_BITS)}, got {bits!r}")
+    if group_size % per_byte(bits):
+        raise ValueError(
+            f"{where}: with bits={bits}, group_size must be a multiple of {per_byte(bits)} "
+            f"(codes per byte), got {group_size}"
+        )
+
+
+def _check_quantize_args(x: torch.Tensor, group_size: int, bits: int) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"quantize: x.dtype must be one of float32, float16, bfloat16, got {x.dtype}"
         )
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"quantize: group_size must be a positive int, got {group_size!r}")
+    _check_bits_group(bits, group_size, "quantize")
 
 
 def _check_dequantize_args(
-    codes: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype,
+    bits: int,
+    numel: int,
 ) -> None:
-    if codes.dtype not in (torch.int8, torch.uint8):
-        raise TypeError(f"dequantize: codes must be int8 or uint8, got {codes.dtype}")
+    _check_bits_group(bits, group_size, "dequantize")
+    allowed = (torch.int8, torch.uint8) if bits == 8 else (torch.uint8,)
+    if codes.dtype not in allowed:
+        raise TypeError(f"dequantize: {bits}-bit codes must be {allowed}, got {codes.dtype}")
     if scales.dtype != torch.float32:
         raise TypeError(f"dequantize: scales must be float32, got {scales.dtype}")
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"dequantize: dtype must be float32, float16 or bfloat16, got {dtype}")
-    expected = n_groups_of(codes.numel(), group_size)
+    if codes.numel() != n_code_bytes(numel, bits):
+        raise ValueError(
+            f"dequantize: {numel} elements at {bits} bits need {n_code_bytes(numel, bits)} "
+            f"code bytes, got {codes.numel()}"
+        )
+    expected = n_groups_of(numel, group_size)
     if scales.numel() != expected:
         raise ValueError(
-            f"dequantize: {codes.numel()} codes in groups of {group_size} need {expected} "
+            f"dequantize: {numel} elements in groups of {group_size} need {expected} "
             f"scales, got {scales.numel()}"
         )
 
@@ -87,25 +128,11 @@ if HAS_TRITON:
         return r + up.to(tl.float32)
 
     @triton.jit
-    def _quantize_kernel(
-        x_ptr,  # (n,) fp32/fp16/bf16, contiguous
-        codes_ptr,  # (n,) int8 (signed) or uint8 (unsigned)
-        scales_ptr,  # (n_groups,) fp32
-        n,
-        n_groups,
-        group_size,
-        seed,
-        QMIN: tl.constexpr,
-        QMAX: tl.constexpr,
-        STOCHASTIC: tl.constexpr,
-        ROWS: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        # Each program quantizes ROWS groups, walking each group in chunks of BLOCK elements:
-        # one pass for absmax (and a NaN flag), one for the codes.
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        row_ok = rows < n_groups
-        base = rows.to(tl.int64) * group_size
+    def _group_scales(
+        x_ptr, n, base, row_ok, group_size,
+        QMAX: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """absmax / QMAX per group (NaN where the group holds NaN)."""
         cols = tl.arange(0, BLOCK)
         amax = tl.zeros([ROWS], dtype=tl.float32)
         has_nan = tl.zeros([ROWS], dtype=tl.int32)
@@ -118,25 +145,72 @@ if HAS_TRITON:
             has_nan = tl.maximum(has_nan, tl.max(is_nan.to(tl.int32), axis=1))
             amax = tl.maximum(amax, tl.max(tl.where(is_nan, 0.0, a), axis=1))
         scale = tl.math.div_rn(amax, tl.full([ROWS], QMAX, tl.float32))
-        scale = tl.where(has_nan > 0, float("nan"), scale)
-        tl.store(scales_ptr + rows, scale, mask=row_ok)
+        return tl.where(has_nan > 0, float("nan"), scale)
 
-        finite = (scale > 0.0) & (scale < float("inf"))  # False for NaN, inf and 0
-        safe = tl.where(finite, scale, 1.0)
-        for start in range(0, group_size, BLOCK):
-            c = start + cols
-            offs = base[:, None] + c[None, :]
-            mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            y = tl.math.div_rn(x, tl.broadcast_to(safe[:, None], (ROWS, BLOCK)))
-            special = tl.where(x == float("inf"), QMAX, tl.where(x == float("-inf"), -QMAX, 0.0))
-            y = tl.where(finite[:, None], y, special)
-            if STOCHASTIC:
-                q = tl.floor(y + tl.rand(seed, offs))
-            else:
-                q = _round_half_even(y)
-            q = tl.minimum(tl.maximum(q, QMIN), QMAX)
-            tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
+    @triton.jit
+    def _codes(x, finite, safe, offs, seed, QMIN: tl.constexpr, QMAX: tl.constexpr,
+               STOCHASTIC: tl.constexpr):  # fmt: skip
+        """Codes of a [ROWS, B] tile of fp32 values; finite/safe are [ROWS, 1]."""
+        y = tl.math.div_rn(x, tl.broadcast_to(safe, x.shape))
+        special = tl.where(x == float("inf"), QMAX, tl.where(x == float("-inf"), -QMAX, 0.0))
+        y = tl.where(finite, y, special)
+        if STOCHASTIC:
+            q = tl.floor(y + tl.rand(seed, offs))
+        else:
+            q = _round_half_even(y)
+        return tl.minimum(tl.maximum(q, QMIN), QMAX)
+
+    @triton.jit
+    def _quantize_kernel(
+        x_ptr,  # (n,) fp32/fp16/bf16, contiguous
+        codes_ptr,  # (n,) int8/uint8 at 8 bits; (ceil(n / PER_BYTE),) uint8 below
+        scales_ptr,  # (n_groups,) fp32
+        n,
+        n_groups,
+        group_size,
+        seed,
+        QMIN: tl.constexpr,
+        QMAX: tl.constexpr,
+        BITS: tl.constexpr,
+        PER_BYTE: tl.constexpr,  # 8 // BITS
+        STOCHASTIC: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        BLOCK_B: tl.constexpr,  # BLOCK // PER_BYTE
+    ):
+        # Each program quantizes ROWS groups: one pass for the scales, one for the codes.
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < n_groups
+        base = rows.to(tl.int64) * group_size
+        scale = _group_scales(x_ptr, n, base, row_ok, group_size, QMAX, ROWS, BLOCK)
+        tl.store(scales_ptr + rows, scale, mask=row_ok)
+        finite = ((scale > 0.0) & (scale < float("inf")))[:, None]  # False for NaN, inf, 0
+        safe = tl.where(finite, scale[:, None], 1.0)
+        if BITS == 8:
+            cols = tl.arange(0, BLOCK)
+            for start in range(0, group_size, BLOCK):
+                c = start + cols
+                offs = base[:, None] + c[None, :]
+                mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
+                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                q = _codes(x, finite, safe, offs, seed, QMIN, QMAX, STOCHASTIC)
+                tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
+        else:
+            # Tile over bytes; lane j of each byte holds element byte * PER_BYTE + j.
+            bcols = tl.arange(0, BLOCK_B)
+            for start in range(0, group_size // PER_BYTE, BLOCK_B):
+                b = start + bcols
+                first = base[:, None] + b[None, :] * PER_BYTE
+                bmask = row_ok[:, None] & (b[None, :] < group_size // PER_BYTE) & (first < n)
+                packed = tl.zeros([ROWS, BLOCK_B], dtype=tl.int32)
+                for j in tl.static_range(PER_BYTE):
+                    offs = first + j
+                    mask = bmask & (offs < n)
+                    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                    q = _codes(x, finite, safe, offs, seed, QMIN, QMAX, STOCHASTIC)
+                    stored = tl.where(mask, (q - QMIN).to(tl.int32), 0)
+                    packed = packed | (stored << (j * BITS))
+                tl.store(codes_ptr + first // PER_BYTE, packed.to(tl.uint8), mask=bmask)
 
     @triton.jit
     def _bf16_bits_rtne(v):
@@ -148,12 +222,15 @@ if HAS_TRITON:
 
     @triton.jit
     def _dequantize_kernel(
-        codes_ptr,  # (n,) int8/uint8
+        codes_ptr,  # (n,) int8/uint8 at 8 bits; (ceil(n / PER_BYTE),) uint8 below
         scales_ptr,  # (n_groups,) fp32
         out_ptr,  # (n,) fp32/fp16, or int16 holding bf16 bits when OUT_BF16
         n,
         n_groups,
         group_size,
+        QMIN: tl.constexpr,
+        BITS: tl.constexpr,
+        PER_BYTE: tl.constexpr,  # 8 // BITS, a power of two: // and % are shifts and masks
         OUT_BF16: tl.constexpr,
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -168,7 +245,13 @@ if HAS_TRITON:
             c = start + cols
             offs = base[:, None] + c[None, :]
             mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
-            v = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.float32) * s
+            if BITS == 8:
+                q = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.float32)
+            else:
+                byte = tl.load(codes_ptr + offs // PER_BYTE, mask=mask, other=0).to(tl.int32)
+                shift = (offs % PER_BYTE).to(tl.int32) * BITS
+                q = (((byte >> shift) & ((1 << BITS) - 1)) + QMIN).to(tl.float32)
+            v = q * s
             if OUT_BF16:
                 tl.store(out_ptr + offs, _bf16_bits_rtne(v), mask=mask)
             else:
@@ -183,65 +266,76 @@ def _launch_shape(group_size: int) -> tuple[int, int]:
     return rows, block
 
 
+def _code_dtype(signed: bool, bits: int) -> torch.dtype:
+    return torch.int8 if (signed and bits == 8) else torch.uint8
+
+
 def quantize(
     x: torch.Tensor,
     group_size: int = 128,
     signed: bool = True,
     stochastic: bool = False,
     use_triton: bool | None = None,
+    bits: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes ``x`` in groups of ``group_size`` flattened elements.
 
     Args:
         x: fp32, fp16 or bf16 tensor of any shape and layout.
-        group_size: elements per scale.
-        signed: int8 codes in [-127, 127] if True, uint8 codes in [0, 255] otherwise
-            (negative inputs clamp to 0 in unsigned mode).
+        group_size: elements per scale (a multiple of 2 at 4 bits, of 4 at 2 bits).
+        signed: symmetric signed codes if True, unsigned codes otherwise (negative inputs
+            clamp to 0 in unsigned mode).
         stochastic: round stochastically (unbiased) instead of to nearest even.
         use_triton: force the path; by default Triton for CUDA tensors, the reference otherwise.
+        bits: 8, 4 or 2.
 
     Returns:
-        ``(codes, scales)``: codes flat with ``x.numel()`` elements, fp32 scales, one per group.
+        ``(codes, scales)``: flat codes (``x.numel()`` bytes at 8 bits, packed below), and
+        fp32 scales, one per group.
     """
-    _check_quantize_args(x, group_size)
+    _check_quantize_args(x, group_size, bits)
     if use_triton is None:
         use_triton = HAS_TRITON and x.is_cuda
     if not use_triton:
-        return quantize_ref(x, group_size, signed, stochastic)
+        return quantize_ref(x, group_size, signed, stochastic, bits)
     x = x.contiguous().view(-1)
     n = x.numel()
     ng = n_groups_of(n, group_size)
-    codes = torch.empty(n, dtype=torch.int8 if signed else torch.uint8, device=x.device)
+    codes = torch.empty(n_code_bytes(n, bits), dtype=_code_dtype(signed, bits), device=x.device)
     scales = torch.empty(ng, dtype=torch.float32, device=x.device)
     if n == 0:
         return codes, scales
-    qmin, qmax = qrange(signed)
+    qmin, qmax = qrange(signed, bits)
     # The Philox seed comes from torch's CPU generator: reproducible under torch.manual_seed.
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if stochastic else 0
     rows, block = _launch_shape(group_size)
-    grid = (triton.cdiv(ng, rows),)
-    _quantize_kernel[grid](
+    _quantize_kernel[(triton.cdiv(ng, rows),)](
         x, codes, scales, n, ng, group_size, seed,
-        QMIN=qmin, QMAX=qmax, STOCHASTIC=stochastic, ROWS=rows, BLOCK=block,
+        QMIN=qmin, QMAX=qmax, BITS=bits, PER_BYTE=per_byte(bits), STOCHASTIC=stochastic,
+        ROWS=rows, BLOCK=block, BLOCK_B=max(1, block // per_byte(bits)),
     )  # fmt: skip
     return codes, scales
 
 
 def quantize_ref(
-    x: torch.Tensor, group_size: int = 128, signed: bool = True, stochastic: bool = False
+    x: torch.Tensor,
+    group_size: int = 128,
+    signed: bool = True,
+    stochastic: bool = False,
+    bits: int = 8,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference of :func:`quantize`, same arguments and results."""
-    _check_quantize_args(x, group_size)
+    _check_quantize_args(x, group_size, bits)
     xf = x.contiguous().view(-1).float()
     n = xf.numel()
     ng = n_groups_of(n, group_size)
-    code_dtype = torch.int8 if signed else torch.uint8
+    code_dtype = _code_dtype(signed, bits)
     if n == 0:
         return (
             torch.empty(0, dtype=code_dtype, device=x.device),
             torch.empty(0, dtype=torch.float32, device=x.device),
         )
-    qmin, qmax = qrange(signed)
+    qmin, qmax = qrange(signed, bits)
     xp = torch.nn.functional.pad(xf, (0, ng * group_size - n)).view(ng, group_size)
     a = xp.abs()
     is_nan = torch.isnan(a)
@@ -256,8 +350,13 @@ def quantize_ref(
     special = torch.where(xp == float("-inf"), float(-qmax), special)
     y = torch.where(finite[:, None], y, special)
     q = torch.floor(y + torch.rand_like(y)) if stochastic else torch.round(y)
-    codes = q.clamp_(qmin, qmax).to(code_dtype).view(-1)[:n]
-    return codes, scale
+    q = q.clamp_(qmin, qmax).view(-1)[:n]
+    if bits == 8:
+        return q.to(code_dtype), scale
+    k = per_byte(bits)
+    stored = torch.nn.functional.pad((q - qmin).to(torch.int32), (0, (-n) % k)).view(-1, k)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=x.device)
+    return (stored << shifts).sum(dim=1).to(torch.uint8), scale
 
 
 def dequantize(
@@ -266,39 +365,48 @@ def dequantize(
     group_size: int,
     dtype: torch.dtype,
     use_triton: bool | None = None,
+    bits: int = 8,
+    signed: bool | None = None,
+    numel: int | None = None,
 ) -> torch.Tensor:
-    """Rebuilds the flat tensor ``codes * scale`` in ``dtype`` (fp32 product, then one cast).
+    """Rebuilds the flat tensor ``code * scale`` in ``dtype`` (fp32 product, then one cast).
 
     Args:
-        codes: flat int8/uint8 codes from :func:`quantize`.
+        codes: flat codes from :func:`quantize`.
         scales: fp32 scales, one per group.
         group_size: the group size used to quantize.
         dtype: output dtype.
         use_triton: force the path; by default Triton for CUDA tensors, the reference otherwise.
+        bits: the code width used to quantize.
+        signed: how it was quantized; at 8 bits the codes' dtype says it (int8 or uint8).
+        numel: number of elements; required below 8 bits (a byte holds several).
 
     Returns:
-        A flat, contiguous tensor with ``codes.numel()`` elements.
+        A flat, contiguous tensor with ``numel`` elements.
     """
-    _check_dequantize_args(codes, scales, group_size, dtype)
+    numel, signed = _resolve_layout(codes, bits, signed, numel)
+    _check_dequantize_args(codes, scales, group_size, dtype, bits, numel)
     if use_triton is None:
         use_triton = HAS_TRITON and codes.is_cuda
     if not use_triton:
-        return dequantize_ref(codes, scales, group_size, dtype)
+        return dequantize_ref(codes, scales, group_size, dtype, bits, signed, numel)
     codes = codes.contiguous().view(-1)
-    n = codes.numel()
-    out = torch.empty(n, dtype=dtype, device=codes.device)
-    if n == 0:
+    out = torch.empty(numel, dtype=dtype, device=codes.device)
+    if numel == 0:
         return out
     bf16 = dtype == torch.bfloat16
-    ng = n_groups_of(n, group_size)
+    ng = n_groups_of(numel, group_size)
     rows, block = _launch_shape(group_size)
     _dequantize_kernel[(triton.cdiv(ng, rows),)](
         codes,
         scales.contiguous(),
         out.view(torch.int16) if bf16 else out,
-        n,
+        numel,
         ng,
         group_size,
+        QMIN=qrange(signed, bits)[0],
+        BITS=bits,
+        PER_BYTE=per_byte(bits),
         OUT_BF16=bf16,
         ROWS=rows,
         BLOCK=block,
@@ -306,20 +414,43 @@ def dequantize(
     return out
 
 
+def _resolve_layout(codes, bits, signed, numel) -> tuple[int, bool]:
+    if bits == 8:
+        inferred = codes.dtype == torch.int8
+        if signed is not None and signed != inferred:
+            raise ValueError(f"dequantize: signed={signed} but the codes are {codes.dtype}")
+        return (codes.numel() if numel is None else numel), inferred
+    if numel is None or signed is None:
+        raise ValueError(f"dequantize: {bits}-bit codes need numel and signed")
+    return numel, signed
+
+
 def dequantize_ref(
-    codes: torch.Tensor, scales: torch.Tensor, group_size: int, dtype: torch.dtype
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype,
+    bits: int = 8,
+    signed: bool | None = None,
+    numel: int | None = None,
 ) -> torch.Tensor:
     """PyTorch reference of :func:`dequantize`, same arguments and result."""
-    _check_dequantize_args(codes, scales, group_size, dtype)
-    n = codes.numel()
+    n, signed = _resolve_layout(codes, bits, signed, numel)
+    _check_dequantize_args(codes, scales, group_size, dtype, bits, n)
     if n == 0:
         return torch.empty(0, dtype=dtype, device=codes.device)
     codes = codes.reshape(-1)
+    if bits == 8:
+        q = codes.float()
+    else:
+        shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
+        stored = (codes.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)
+        q = (stored.view(-1)[:n] + qrange(signed, bits)[0]).float()
     out = torch.empty(n, dtype=dtype, device=codes.device)
     full = n // group_size * group_size
     if full:
-        body = codes[:full].view(-1, group_size).float() * scales[: full // group_size, None]
+        body = q[:full].view(-1, group_size) * scales[: full // group_size, None]
         out[:full] = body.view(-1).to(dtype)
     if full < n:
-        out[full:] = (codes[full:].float() * scales[-1]).to(dtype)
+        out[full:] = (q[full:] * scales[-1]).to(dtype)
     return out

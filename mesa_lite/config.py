@@ -14,18 +14,13 @@ from typing import Any
 
 LAYER_KINDS: tuple[str, ...] = ("linear", "gelu", "softmax", "layernorm", "matmul", "attention")
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
-SUPPORTED_BITS: tuple[int, ...] = (8,)
-PLANNED_BITS: tuple[int, ...] = (4, 2)
+SUPPORTED_BITS: tuple[int, ...] = (8, 4, 2)
 _OVERRIDE_FIELDS = ("bits", "group_size", "rounding", "enabled")
 
 
 def _check_bits(bits: Any, field: str = "bits") -> None:
     if isinstance(bits, bool) or not isinstance(bits, int):
         raise TypeError(f"{field} must be an int, got {type(bits).__name__} {bits!r}")
-    if bits in PLANNED_BITS:
-        raise ValueError(
-            f"{field}={bits} is not implemented yet; supported values: {list(SUPPORTED_BITS)}"
-        )
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"{field} must be one of {list(SUPPORTED_BITS)}, got {bits}")
 
@@ -38,10 +33,26 @@ def _check_group_size(group_size: Any, field: str = "group_size") -> None:
 
 
 def _check_rounding(rounding: Any, field: str = "rounding") -> None:
+    if rounding is None:  # the default: nearest at 8 bits, stochastic below
+        return
     if not isinstance(rounding, str):
         raise TypeError(f"{field} must be a str, got {type(rounding).__name__} {rounding!r}")
     if rounding not in ROUNDINGS:
         raise ValueError(f"{field} must be one of {list(ROUNDINGS)}, got {rounding!r}")
+
+
+def default_rounding(bits: int) -> str:
+    """Nearest rounding at 8 bits; stochastic (unbiased) below, where a biased round hurts."""
+    return "nearest" if bits == 8 else "stochastic"
+
+
+def _check_packing(bits: int, group_size: int, field: str = "group_size") -> None:
+    per_byte = 8 // bits
+    if group_size % per_byte:
+        raise ValueError(
+            f"{field} must be a multiple of {per_byte} with bits={bits} ({per_byte} codes per "
+            f"byte), got {group_size}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,22 +60,27 @@ class QuantSpec:
     """How one layer compresses what it keeps for backward.
 
     Attributes:
-        bits: code width (8).
-        group_size: elements per fp32 absmax scale, over the flattened tensor.
-        rounding: "nearest" (round half to even) or "stochastic" (unbiased).
+        bits: code width: 8, 4 or 2.
+        group_size: elements per fp32 absmax scale, over the flattened tensor (a multiple of
+            8 // bits, so that packed codes never share a byte across groups).
+        rounding: "nearest" (round half to even) or "stochastic" (unbiased); None picks
+            nearest at 8 bits and stochastic below.
         exact: debug setting: keep exact copies instead of codes, through the same code paths.
             Gradients then equal PyTorch's; nothing is saved in memory.
     """
 
     bits: int = 8
     group_size: int = 128
-    rounding: str = "nearest"
+    rounding: str | None = None
     exact: bool = False
 
     def __post_init__(self) -> None:
         _check_bits(self.bits)
         _check_group_size(self.group_size)
         _check_rounding(self.rounding)
+        _check_packing(self.bits, self.group_size)
+        if self.rounding is None:
+            object.__setattr__(self, "rounding", default_rounding(self.bits))
         if not isinstance(self.exact, bool):
             raise TypeError(f"exact must be a bool, got {type(self.exact).__name__}")
 
@@ -83,9 +99,11 @@ class Config:
     """What ``wrap`` compresses and how.
 
     Attributes:
-        bits: code width for saved activations. Only 8 is implemented.
-        group_size: elements per absmax scale (any positive int; 128 by default).
-        rounding: "nearest" or "stochastic".
+        bits: code width for saved activations: 8, 4 or 2.
+        group_size: elements per absmax scale (128 by default; any positive int at 8 bits, a
+            multiple of 2 at 4 bits and of 4 at 2 bits).
+        rounding: "nearest" or "stochastic"; None (the default) picks nearest at 8 bits and
+            stochastic below, per layer.
         layers: which layer kinds to wrap, a subset of ``LAYER_KINDS``.
         overrides: per-module settings, ``{name_or_glob: {field: value}}`` with fields
             ``bits``, ``group_size``, ``rounding`` and ``enabled`` (False leaves that module
@@ -96,7 +114,7 @@ class Config:
 
     bits: int = 8
     group_size: int = 128
-    rounding: str = "nearest"
+    rounding: str | None = None
     layers: frozenset[str] = frozenset(LAYER_KINDS)
     overrides: Mapping[str, Mapping[str, Any]] = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({})
@@ -107,6 +125,7 @@ class Config:
         _check_bits(self.bits)
         _check_group_size(self.group_size)
         _check_rounding(self.rounding)
+        _check_packing(self.bits, self.group_size)
         if isinstance(self.layers, str) or not isinstance(
             self.layers, (set, frozenset, list, tuple)
         ):
@@ -140,6 +159,9 @@ class Config:
                 _check_group_size(fields["group_size"], f"{field}.group_size")
             if "rounding" in fields:
                 _check_rounding(fields["rounding"], f"{field}.rounding")
+            _check_packing(
+                fields.get("bits", self.bits), fields.get("group_size", self.group_size), field
+            )
             if "enabled" in fields and not isinstance(fields["enabled"], bool):
                 raise TypeError(f"{field}.enabled must be a bool, got {fields['enabled']!r}")
             frozen[name] = types.MappingProxyType(dict(fields))

@@ -125,7 +125,7 @@ class SoftmaxFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim: int, spec: QuantSpec):
         out = torch._softmax(x, dim, False)
-        quant.save(ctx, quant.quantize(out, spec, signed=False))
+        quant.save(ctx, quant.quantize(out, spec, signed=False, share=True))
         ctx.dim = dim
         return out
 

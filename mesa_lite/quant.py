@@ -5,7 +5,8 @@ Functions keep its tensors through ``ctx.save_for_backward`` (``save``/``load`` 
 PyTorch's saved-tensor hooks and checkpointing see them.
 
 Sharing: when two ops keep the same tensor object (a softmax output that the next matmul also
-keeps), the second reuses the first one's codes instead of quantizing again. The registry is
+keeps), the second reuses the first one's codes instead of quantizing again. The producer opts
+in (``quantize(..., share=True)``) for its own fresh output. The registry is
 keyed by the tensor's identity, checked against its version counter, and drops an entry when
 that tensor dies.
 """
@@ -26,7 +27,8 @@ class Packed:
     """A compressed tensor (a plain slotted class: it is built on every forward and backward).
 
     Attributes:
-        codes: flat int8/uint8 codes, or the exact tensor itself when ``spec.exact``.
+        codes: flat codes (int8/uint8 at 8 bits, packed uint8 below), or the exact tensor
+            itself when ``spec.exact``.
         scales: fp32, one per group (None when exact).
         shape: the original shape.
         dtype: the original dtype.
@@ -65,22 +67,32 @@ def _use_triton(t: torch.Tensor) -> bool:
     return group_quant.HAS_TRITON and t.is_cuda
 
 
-def quantize(x: torch.Tensor, spec: QuantSpec, signed: bool = True) -> Packed:
-    """Compresses ``x`` as ``spec`` says; the result is registered for sharing (see module doc).
+def quantize(x: torch.Tensor, spec: QuantSpec, signed: bool = True, share: bool = False) -> Packed:
+    """Compresses ``x`` as ``spec`` says.
 
     Args:
         x: the tensor to keep (fp32, fp16 or bf16).
         spec: the layer's QuantSpec.
-        signed: False for tensors known to be non-negative (uint8 codes, one more bit of range).
+        signed: False for tensors known to be non-negative (unsigned codes, one more bit).
+        share: register the result so that a later op keeping this very tensor reuses it (see
+            module doc). Only for tensors made fresh in each forward (an op's own output): a
+            tensor that lives across steps would hand the same codes, and the same stochastic
+            draw, to every step.
     """
     if spec.exact:
         packed = Packed(x, None, x.shape, x.dtype, spec, signed)
     else:
         codes, scales = group_quant.quantize(
-            x, spec.group_size, signed=signed, stochastic=spec.stochastic, use_triton=_use_triton(x)
+            x,
+            spec.group_size,
+            signed=signed,
+            stochastic=spec.stochastic,
+            use_triton=_use_triton(x),
+            bits=spec.bits,
         )
         packed = Packed(codes, scales, x.shape, x.dtype, spec, signed)
-    _register(x, packed)
+    if share:
+        _register(x, packed)
     return packed
 
 
@@ -90,7 +102,14 @@ def dequantize(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
     if p.spec.exact:
         return p.codes.to(dtype)
     flat = group_quant.dequantize(
-        p.codes, p.scales, p.spec.group_size, dtype, use_triton=_use_triton(p.codes)
+        p.codes,
+        p.scales,
+        p.spec.group_size,
+        dtype,
+        use_triton=_use_triton(p.codes),
+        bits=p.spec.bits,
+        signed=p.signed,
+        numel=p.shape.numel(),
     )
     return flat.view(p.shape)
 

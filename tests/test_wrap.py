@@ -110,6 +110,17 @@ def test_filter_fn_layers_and_overrides():
     assert net.sub[0].mesa_spec == QuantSpec(rounding="stochastic")
 
 
+def test_rounding_defaults_by_bits():
+    assert QuantSpec().rounding == "nearest"
+    assert QuantSpec(bits=4).rounding == "stochastic"
+    assert QuantSpec(bits=2, rounding="nearest").rounding == "nearest"
+    net = mesa_lite.wrap(Net(), Config(overrides={"fc1": {"bits": 4}, "fc2": {"bits": 2}}))
+    assert net.fc1.mesa_spec == QuantSpec(bits=4, rounding="stochastic")
+    assert net.fc2.mesa_spec.describe() == "int2 g128 stochastic"
+    assert net.norm.mesa_spec.describe() == "int8 g128 nearest"
+    assert "mesa=int4 g128 stochastic" in repr(net)
+
+
 def test_wrapped_forward_equals_plain_and_trains():
     torch.manual_seed(0)
     plain = Net()
@@ -128,10 +139,12 @@ def test_wrapped_forward_equals_plain_and_trains():
 
 
 def test_config_errors_name_the_field():
-    with pytest.raises(ValueError, match=r"bits=4 is not implemented yet.*\[8\]"):
-        Config(bits=4)
-    with pytest.raises(ValueError, match=r"bits must be one of \[8\], got 3"):
+    with pytest.raises(ValueError, match=r"bits must be one of \[8, 4, 2\], got 3"):
         Config(bits=3)
+    with pytest.raises(ValueError, match=r"group_size must be a multiple of 4 with bits=2"):
+        Config(bits=2, group_size=6)
+    with pytest.raises(ValueError, match=r"overrides\['fc1'\] must be a multiple of 2 with bits=4"):
+        Config(group_size=5, overrides={"fc1": {"bits": 4}})
     with pytest.raises(TypeError, match="bits must be an int"):
         Config(bits=8.0)
     with pytest.raises(ValueError, match="group_size must be a positive int, got 0"):
@@ -148,8 +161,8 @@ def test_config_errors_name_the_field():
         Config(layers="linear")
     with pytest.raises(ValueError, match=r"overrides\['fc1'\] has unknown fields \['bitz'\]"):
         Config(overrides={"fc1": {"bitz": 8}})
-    with pytest.raises(ValueError, match=r"overrides\['fc1'\].bits=4 is not implemented"):
-        Config(overrides={"fc1": {"bits": 4}})
+    with pytest.raises(ValueError, match=r"overrides\['fc1'\].bits must be one of"):
+        Config(overrides={"fc1": {"bits": 3}})
     with pytest.raises(ValueError, match=r"'nope' matches no module"):
         mesa_lite.wrap(Net(), Config(overrides={"nope": {"enabled": False}}))
     with pytest.raises(TypeError, match="config must be a mesa_lite.Config"):

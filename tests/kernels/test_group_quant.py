@@ -11,7 +11,10 @@ from hypothesis import strategies as st
 from mesa_lite.kernels import group_quant as gq
 
 SHAPES = [(1,), (7,), (13, 17), (3, 5, 129), (0,), (0, 4), (257,), (2, 3, 1000)]
-GROUPS = [1, 7, 128, 1000, 2048]
+# group sizes per code width (below 8 bits a multiple of the codes per byte)
+GROUPS = {8: [1, 7, 128, 1000, 2048], 4: [2, 6, 128, 1000], 2: [4, 12, 128, 2048]}
+KERNEL_CASES = [(b, g) for b, gs in GROUPS.items() for g in gs]
+BITS = [8, 4, 2]
 
 
 def _make(shape, dtype, device, signed, seed=0):
@@ -28,21 +31,30 @@ def _step(codes_scales, n, group_size):
     return scales.repeat_interleave(group_size)[:n]
 
 
+def _deq(cs, group_size, dtype, use_triton, bits, signed, n):
+    codes, scales = cs
+    return gq.dequantize(
+        codes, scales, group_size, dtype, use_triton=use_triton, bits=bits, signed=signed, numel=n
+    )
+
+
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-@pytest.mark.parametrize("group_size", GROUPS, ids=lambda g: f"g{g}")
+@pytest.mark.parametrize("bits, group_size", KERNEL_CASES, ids=lambda v: str(v))
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_kernel_matches_reference_nearest(shape, dtype, group_size, signed, triton_device):
+def test_kernel_matches_reference_nearest(shape, dtype, bits, group_size, signed, triton_device):
     x = _make(shape, dtype, triton_device, signed)
-    codes, scales = gq.quantize(x, group_size, signed=signed, use_triton=True)
+    n = x.numel()
+    codes, scales = gq.quantize(x, group_size, signed=signed, use_triton=True, bits=bits)
     # against the reference on the CPU, the one every CPU run uses
-    rcodes, rscales = gq.quantize_ref(x.cpu(), group_size, signed=signed)
+    rcodes, rscales = gq.quantize_ref(x.cpu(), group_size, signed=signed, bits=bits)
     assert_equal(codes.cpu(), rcodes, "codes")
     assert_equal(scales.cpu(), rscales, "scales")
-    assert codes.dtype == (torch.int8 if signed else torch.uint8)
-    assert codes.numel() == x.numel() and scales.numel() == gq.n_groups_of(x.numel(), group_size)
-    out = gq.dequantize(codes, scales, group_size, dtype, use_triton=True)
-    ref = gq.dequantize_ref(rcodes, rscales, group_size, dtype)
+    assert codes.dtype == (torch.int8 if signed and bits == 8 else torch.uint8)
+    assert codes.numel() == gq.n_code_bytes(n, bits)
+    assert scales.numel() == gq.n_groups_of(n, group_size)
+    out = _deq((codes, scales), group_size, dtype, True, bits, signed, n)
+    ref = _deq((rcodes, rscales), group_size, dtype, False, bits, signed, n)
     assert_equal(out.cpu(), ref, "dequantized")
 
 
@@ -57,13 +69,14 @@ def test_kernel_matches_reference_non_contiguous(dtype, triton_device):
         assert_equal(scales.cpu(), rscales, "scales")
 
 
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "reference"])
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-def test_nearest_error_within_half_step(use_triton, signed, device, triton_device):
+def test_nearest_error_within_half_step(use_triton, signed, bits, device, triton_device):
     device = triton_device if use_triton else device
     x = _make((4, 999), torch.float32, device, signed, seed=3)
-    cs = gq.quantize(x, 128, signed=signed, use_triton=use_triton)
-    out = gq.dequantize(*cs, 128, torch.float32, use_triton=use_triton)
+    cs = gq.quantize(x, 128, signed=signed, use_triton=use_triton, bits=bits)
+    out = _deq(cs, 128, torch.float32, use_triton, bits, signed, x.numel())
     step = _step(cs, x.numel(), 128)
     err = (out - x.reshape(-1)).abs()
     # half a step, plus fp32 rounding of x / scale and of code * scale
@@ -72,23 +85,24 @@ def test_nearest_error_within_half_step(use_triton, signed, device, triton_devic
     assert (err <= bound).all(), f"element {worst}: err {err[worst]} > bound {bound[worst]}"
 
 
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "reference"])
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
 def test_stochastic_rounding_unbiased_and_within_one_step(
-    use_triton, signed, device, triton_device
+    use_triton, signed, bits, device, triton_device
 ):
     device = triton_device if use_triton else device
     torch.manual_seed(0)
     x = _make((512,), torch.float32, device, signed, seed=5)
     draws = 400
-    acc = torch.zeros_like(x, dtype=torch.float64)
-    for _ in range(draws):
-        cs = gq.quantize(x, 64, signed=signed, stochastic=True, use_triton=use_triton)
-        out = gq.dequantize(*cs, 64, torch.float32, use_triton=use_triton)
-        step = _step(cs, x.numel(), 64)
-        assert ((out - x).abs() <= step * (1 + 1e-5)).all(), "stochastic rounding moved > 1 step"
-        acc += out.double()
-    mean_err = ((acc / draws) - x.double()).abs() / step.double()
+    # 400 copies in one call: the copies share group boundaries (512 = 8 groups of 64) and
+    # so their scales, and each element of each copy draws its own random number.
+    xr = x.repeat(draws)
+    cs = gq.quantize(xr, 64, signed=signed, stochastic=True, use_triton=use_triton, bits=bits)
+    out = _deq(cs, 64, torch.float32, use_triton, bits, signed, xr.numel()).view(draws, -1)
+    step = _step(cs, x.numel(), 64)
+    assert ((out - x).abs() <= step * (1 + 1e-5)).all(), "stochastic rounding moved > 1 step"
+    mean_err = (out.double().mean(0) - x.double()).abs() / step.double()
     # per-draw std <= step/2, so the mean's std <= step / (2 sqrt(400)) = step/40
     assert mean_err.max() < 0.2, f"biased: max |mean - x| = {mean_err.max():.3f} steps"
     assert mean_err.mean() < 0.04
@@ -107,16 +121,17 @@ def test_stochastic_rounding_reproducible_under_seed(use_triton, device, triton_
     assert not torch.equal(a[0], c[0]), "different draws gave the same codes"
 
 
+@pytest.mark.parametrize("bits", [8, 4])  # groups of 2: not a multiple of 4 codes per byte
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "reference"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_special_values(use_triton, dtype, device, triton_device):
+def test_special_values(use_triton, dtype, bits, device, triton_device):
     device = triton_device if use_triton else device
     inf, nan = float("inf"), float("nan")
     big = 1e30 if dtype != torch.float16 else 6e4
     vals = [1.0, inf, -2.0, 3.0, nan, 1.0, 0.0, 0.0, big, -big, -inf, 5.0, 0.0, 1e-3]
     x = torch.tensor(vals, dtype=dtype, device=device)
-    codes, scales = gq.quantize(x, 2, use_triton=use_triton)
-    out = gq.dequantize(codes, scales, 2, dtype, use_triton=use_triton).float().cpu()
+    codes, scales = gq.quantize(x, 2, use_triton=use_triton, bits=bits)
+    out = _deq((codes, scales), 2, dtype, use_triton, bits, True, x.numel()).float().cpu()
     assert out[1] == inf and out[10] == -inf, "inf must keep its sign"
     assert out[4].isnan() and out[5].isnan(), "a group with NaN dequantizes to NaN"
     assert not out[[0, 11]].isfinite().any(), "finite values in an inf group must not look finite"
@@ -140,6 +155,16 @@ def test_argument_errors():
         gq.dequantize(codes, scales[:1], 4, torch.float32)
     with pytest.raises(TypeError, match="codes"):
         gq.dequantize(codes.float(), scales, 4, torch.float32)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        gq.quantize(x, 4, bits=3)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        gq.quantize(x, 6, bits=2)
+    codes, scales = gq.quantize(x, 4, bits=4)
+    assert codes.numel() == 5
+    with pytest.raises(ValueError, match="need numel and signed"):
+        gq.dequantize(codes, scales, 4, torch.float32, bits=4)
+    with pytest.raises(ValueError, match="code bytes"):
+        gq.dequantize(codes, scales, 4, torch.float32, bits=4, signed=True, numel=13)
 
 
 # ---- property tests -----------------------------------------------------------------------
@@ -151,17 +176,21 @@ _special = st.sampled_from([float("inf"), float("-inf"), float("nan")])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     values=st.lists(st.one_of(_finite, _finite, _finite, _special), min_size=1, max_size=300),
-    group_size=st.integers(1, 70),
+    group_units=st.integers(1, 17),
+    bits=st.sampled_from(BITS),
     signed=st.booleans(),
     use_triton=st.booleans(),
 )
-def test_property_non_finite_preserved_and_error_bound(values, group_size, signed, use_triton):
+def test_property_non_finite_preserved_and_error_bound(
+    values, group_units, bits, signed, use_triton
+):
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if use_triton else "cpu"
+    group_size = group_units * gq.per_byte(bits)
     x = torch.tensor(values, dtype=torch.float32, device=dev)
     if not signed:
         x = x.abs()
-    codes, scales = gq.quantize(x, group_size, signed=signed, use_triton=use_triton)
-    out = gq.dequantize(codes, scales, group_size, torch.float32, use_triton=use_triton)
+    codes, scales = gq.quantize(x, group_size, signed=signed, use_triton=use_triton, bits=bits)
+    out = _deq((codes, scales), group_size, torch.float32, use_triton, bits, signed, x.numel())
     bad = ~torch.isfinite(x)
     assert not torch.isfinite(out[bad]).any(), "a non-finite input dequantized to a finite value"
     group_ok = torch.isfinite(scales).repeat_interleave(group_size)[: x.numel()]
@@ -169,10 +198,10 @@ def test_property_non_finite_preserved_and_error_bound(values, group_size, signe
     err = (out - x).abs()[group_ok]
     bound = 0.5 * step * (1 + 1e-5) + x.abs() * 2**-23
     # a group of tiny denormals whose scale underflows to 0 flushes to zero (documented)
-    qmax = 127 if signed else 255
+    qmax = gq.qrange(signed, bits)[1]
     bound = torch.where(step == 0, torch.full_like(x, qmax * 2.0**-149), bound)[group_ok]
     assert (err <= bound).all(), (err - bound).max()
-    rcodes, rscales = gq.quantize_ref(x.cpu(), group_size, signed=signed)
+    rcodes, rscales = gq.quantize_ref(x.cpu(), group_size, signed=signed, bits=bits)
     assert_equal(codes.cpu(), rcodes, "codes")
     assert_equal(scales.cpu(), rscales, "scales")
 
