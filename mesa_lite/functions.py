@@ -9,6 +9,7 @@ therefore bit-identical to PyTorch's, with and without autocast, on any device.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -25,6 +26,7 @@ _PROBES = {
     "softmax": lambda a: torch.softmax(a, -1),
     "gelu": lambda a: F.gelu(a),
     "layer_norm": lambda a, *w: F.layer_norm(a, (1,), *(t.view(1) for t in w)),
+    "sdpa": lambda a: F.scaled_dot_product_attention(a[None, None], a[None, None], a[None, None]),
 }
 
 
@@ -204,3 +206,100 @@ class MatMulFn(torch.autograd.Function):
             else:
                 grad_b = _sum_to(torch.matmul(a.transpose(-2, -1), grad), pb.shape)
         return grad_a, grad_b, None, None
+
+
+# ---- fused attention (F.scaled_dot_product_attention) --------------------------------------
+
+SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN = 1, 2, 3  # torch.nn.attention.SDPBackend values
+
+
+def _memory_order(t: torch.Tensor) -> tuple[int, ...]:
+    """The dims of ``t`` from outermost to innermost in memory (sorted by stride)."""
+    return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d])))
+
+
+def _keep_in_memory_order(t: torch.Tensor, spec: QuantSpec) -> tuple[quant.Packed, tuple]:
+    """Quantizes ``t`` in its memory order (no copy when it is dense), so that backward can
+    rebuild a tensor with the same stride order (cuDNN's backward expects it)."""
+    order = _memory_order(t)
+    return quant.quantize(t.permute(order), spec), order
+
+
+def _restore(p: quant.Packed, order: tuple) -> torch.Tensor:
+    inverse = [0] * len(order)
+    for i, d in enumerate(order):
+        inverse[d] = i
+    return quant.dequantize(p).permute(inverse)
+
+
+class SDPAFn(torch.autograd.Function):
+    """``F.scaled_dot_product_attention`` through the fused backend PyTorch picked (CPU flash,
+    CUDA flash or cuDNN), keeping q, k, v and the output compressed and the fp32 logsumexp.
+    q and k are kept at 8 bits whatever the spec's width; v and the output at the spec's.
+
+    Backward dequantizes them in their forward stride order and calls the backend's own
+    backward op. Attention masks are not taken here (see ``modules.scaled_dot_product_attention``).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, backend: int, dropout_p: float, is_causal: bool, scale, spec):
+        aten = torch.ops.aten
+        extra: tuple = ()
+        if q.device.type == "cpu":
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, dropout_p, is_causal, attn_mask=None, scale=scale
+            )
+        elif backend == SDPA_CUDNN:
+            res = aten._scaled_dot_product_cudnn_attention(
+                q, k, v, None, True, dropout_p, is_causal, False, scale=scale
+            )
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset = res[:8]
+            extra = (cum_q, cum_k, seed, offset)
+            ctx.max_qk = (max_q, max_k)
+        elif backend == SDPA_FLASH:
+            res = aten._scaled_dot_product_flash_attention(
+                q, k, v, dropout_p, is_causal, False, scale=scale
+            )
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset = res[:8]
+            extra = (cum_q, cum_k, seed, offset)
+            ctx.max_qk = (max_q, max_k)
+        else:
+            raise ValueError(f"mesa_lite SDPAFn: backend {backend} is not supported")
+        # q and k at 8 bits even when the spec asks for fewer: backward rebuilds the attention
+        # probabilities as exp(q k^T * scale - logsumexp), which exponentiates their error
+        # (at 2 bits all four low gave gradients 70 dB worse than keeping q, k at 8 bits).
+        qk_spec = spec if spec.bits == 8 else dataclasses.replace(spec, bits=8, rounding=None)
+        kept = [
+            _keep_in_memory_order(t, s)
+            for t, s in zip((q, k, v, out), (qk_spec, qk_spec, spec, spec), strict=True)
+        ]
+        ctx.orders = [order for _, order in kept]
+        quant.save(ctx, *(p for p, _ in kept), lse, *extra)
+        ctx.cfg = (backend, dropout_p, is_causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = quant.load(ctx)
+        q, k, v, out = (_restore(p, o) for p, o in zip(saved[:4], ctx.orders, strict=True))
+        lse = saved[4]
+        backend, dropout_p, is_causal, scale = ctx.cfg
+        aten = torch.ops.aten
+        if q.device.type == "cpu":
+            gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad, q, k, v, out, lse, dropout_p, is_causal, attn_mask=None, scale=scale
+            )
+        else:
+            cum_q, cum_k, seed, offset = saved[5:9]
+            max_q, max_k = ctx.max_qk
+            if backend == SDPA_CUDNN:
+                gq, gk, gv = aten._scaled_dot_product_cudnn_attention_backward(
+                    grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k,
+                    dropout_p, is_causal, scale=scale,
+                )  # fmt: skip
+            else:
+                gq, gk, gv = aten._scaled_dot_product_flash_attention_backward(
+                    grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal,
+                    seed, offset, scale=scale,
+                )  # fmt: skip
+        return gq, gk, gv, None, None, None, None, None

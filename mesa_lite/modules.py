@@ -7,23 +7,38 @@ Parameters, buffers, hooks and state_dict keys stay the same; ``to_original`` sw
 
 from __future__ import annotations
 
+import warnings
 from typing import ClassVar
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from mesa_lite.config import QuantSpec
 from mesa_lite.functions import (
+    SDPA_CUDNN,
+    SDPA_FLASH,
     GELUFn,
     LayerNormFn,
     LinearFn,
     MatMulFn,
+    SDPAFn,
     SoftmaxFn,
     _cast,
     compute_dtype,
 )
 
-__all__ = ["MesaModule", "Linear", "GELU", "Softmax", "LayerNorm", "MatMul", "matmul", "softmax"]
+__all__ = [
+    "MesaModule",
+    "Linear",
+    "GELU",
+    "Softmax",
+    "LayerNorm",
+    "MatMul",
+    "matmul",
+    "softmax",
+    "scaled_dot_product_attention",
+]
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -80,6 +95,62 @@ def softmax(x: torch.Tensor, dim: int, spec: QuantSpec | None) -> torch.Tensor:
         return torch.softmax(x, dim)
     dtype = compute_dtype("softmax", x.device, x.dtype)
     return SoftmaxFn.apply(_cast(x, dtype), dim, spec)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def _sdpa_backend(q, k, v, dropout_p, is_causal, scale) -> int:
+    try:
+        return int(torch._fused_sdp_choice(q, k, v, None, dropout_p, is_causal, scale=scale))
+    except RuntimeError:
+        return -1
+
+
+def scaled_dot_product_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    spec: QuantSpec | None = None,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` keeping q, k, v and the output compressed.
+
+    Runs the fused backend PyTorch itself picks for these inputs (so the output is
+    bit-identical): CPU flash attention, or CUDA flash / cuDNN attention. Where PyTorch would
+    pick another backend (the math path, memory-efficient attention) or an ``attn_mask`` is
+    given, the call runs as plain PyTorch, uncompressed, with a one-time warning.
+    """
+    if spec is None or not _needs_grad(q, k, v):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+        )
+    dtype = compute_dtype("sdpa", q.device, q.dtype)
+    q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
+    backend = _sdpa_backend(q, k, v, dropout_p, is_causal, scale) if attn_mask is None else -1
+    supported = (
+        backend == SDPA_FLASH if q.device.type == "cpu" else backend in (SDPA_FLASH, SDPA_CUDNN)
+    )
+    if not supported:
+        why = "an attn_mask" if attn_mask is not None else f"SDPA backend {backend}"
+        _warn_once(
+            f"sdpa-{why}-{q.device.type}",
+            f"mesa_lite: attention with {why} on {q.device.type} is not compressed; "
+            "it runs as plain F.scaled_dot_product_attention",
+        )
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+        )
+    return SDPAFn.apply(q, k, v, backend, dropout_p, is_causal, scale, spec)
 
 
 class Linear(MesaModule, nn.Linear):

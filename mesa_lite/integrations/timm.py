@@ -3,8 +3,8 @@
 timm's ``Attention`` computes ``q @ k^T``, softmax and ``attn @ v`` inline when its fused
 attention is off; the subclass here does the same computation through mesa_lite's matmul and
 softmax, so those activations are kept compressed too. With fused attention on
-(``F.scaled_dot_product_attention``, timm's default) attention runs exactly as timm's own;
-its qkv and proj Linears are still wrapped.
+(``F.scaled_dot_product_attention``, timm's default) it calls mesa_lite's compressed fused
+attention, which runs the same fused backend and keeps q, k, v and the output compressed.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from mesa_lite.modules import MesaModule, matmul, softmax
+from mesa_lite.modules import MesaModule, matmul, scaled_dot_product_attention, softmax
 
 try:
     import timm.layers as _tl
@@ -56,20 +56,22 @@ def registrations() -> list[tuple[type, type, str, object]]:
 if _TimmAttention is not None:
 
     class Attention(MesaModule, _TimmAttention):
-        """timm ``Attention`` whose explicit path keeps q, k, the softmax output and v compressed.
+        """timm ``Attention`` keeping what attention needs for backward compressed.
 
-        The softmax output is kept once: the ``attn @ v`` product reuses the softmax's uint8
-        codes (the same tensor), also under autocast, where it is cast before the product.
+        Fused mode: q, k, v and the attention output (``scaled_dot_product_attention``).
+        Explicit mode: q, k, the softmax output and v; the softmax output is kept once, as the
+        ``attn @ v`` product reuses the softmax's uint8 codes (also under autocast, where it is
+        cast before the product).
         """
 
         mesa_kind = "attention"
 
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            if self.fused_attn or not self._mesa_active(x):
+            if not self._mesa_active(x):
                 return super().forward(x, *args, **kwargs)
-            return self._explicit_forward(x, *args, **kwargs)
+            return self._mesa_forward(x, *args, **kwargs)
 
-        def _explicit_forward(self, x, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+        def _mesa_forward(self, x, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
             spec = self.mesa_spec
             B, N, C = x.shape
             gate = getattr(self, "gate", None)
@@ -77,14 +79,21 @@ if _TimmAttention is not None:
             qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
             q, k, v = qkv.unbind(0)
             q, k = self.q_norm(q), self.k_norm(k)
-            q = q * self.scale
-            attn = matmul(q, k.transpose(-2, -1), spec)
-            bias = _resolve_mask(N, attn, attn_mask, is_causal)
-            if bias is not None:
-                attn = attn + bias
-            attn = softmax(attn, -1, spec)
-            attn = self.attn_drop(attn)
-            x = matmul(attn, v, spec)
+            if self.fused_attn:
+                x = scaled_dot_product_attention(
+                    q, k, v, attn_mask=attn_mask,
+                    dropout_p=self.attn_drop.p if self.training else 0.0,
+                    is_causal=is_causal, spec=spec,
+                )  # fmt: skip
+            else:
+                q = q * self.scale
+                attn = matmul(q, k.transpose(-2, -1), spec)
+                bias = _resolve_mask(N, attn, attn_mask, is_causal)
+                if bias is not None:
+                    attn = attn + bias
+                attn = softmax(attn, -1, spec)
+                attn = self.attn_drop(attn)
+                x = matmul(attn, v, spec)
             x = x.transpose(1, 2).reshape(B, N, getattr(self, "attn_dim", C))
             x = self.norm(x)
             if gate is not None:
