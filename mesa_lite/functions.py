@@ -64,8 +64,9 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 
 
 def _keep(x: torch.Tensor, spec: QuantSpec, signed: bool = True, share_key=None) -> quant.Packed:
-    """Quantizes ``x``, or reuses the codes already made from ``share_key`` (default ``x``)."""
-    shared = quant.lookup_shared(x if share_key is None else share_key, spec)
+    """Reuses the codes a producer registered for ``x`` (or for ``share_key``, the tensor before
+    the autocast cast that made ``x``), else quantizes ``x``."""
+    shared = quant.lookup_shared(x, spec, key=share_key)
     return shared if shared is not None else quant.quantize(x, spec, signed)
 
 
@@ -74,12 +75,16 @@ def _keep(x: torch.Tensor, spec: QuantSpec, signed: bool = True, share_key=None)
 
 class LinearFn(torch.autograd.Function):
     """``F.linear`` keeping the compressed input; the weight is kept as the Parameter itself and
-    cast again in backward, so no low-precision copy of it outlives the forward."""
+    cast again in backward, so no low-precision copy of it outlives the forward.
+
+    ``shares``: ``(x0,)``, the input before the autocast cast, whose registered codes (a
+    LayerNorm's or GELU's output) are reused instead of a second copy.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dtype: torch.dtype, spec: QuantSpec):
+    def forward(ctx, x, weight, bias, dtype: torch.dtype, spec: QuantSpec, shares=(None,)):
         out = F.linear(x, _cast(weight, dtype), _cast(bias, dtype))
-        quant.save(ctx, _keep(x, spec), weight)
+        quant.save(ctx, _keep(x, spec, share_key=shares[0]), weight)
         ctx.dtype = dtype
         ctx.has_bias = bias is not None
         return out
@@ -97,17 +102,22 @@ class LinearFn(torch.autograd.Function):
             grad_w = (g2.t() @ x2).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(weight.dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 # ---- GELU -------------------------------------------------------------------------------------
 
 
 class GELUFn(torch.autograd.Function):
+    """Keeps the compressed input; registers it as the (rebuildable) copy of its output, so
+    the next Linear (timm's fc2) keeps no second copy."""
+
     @staticmethod
     def forward(ctx, x, approximate: str, spec: QuantSpec):
         out = F.gelu(x, approximate=approximate)
-        quant.save(ctx, _keep(x, spec))
+        p = _keep(x, spec)
+        quant.save(ctx, p)
+        quant.share(out, p.derived(("gelu", approximate)))
         ctx.approximate = approximate
         return out
 
@@ -127,7 +137,9 @@ class SoftmaxFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim: int, spec: QuantSpec):
         out = torch._softmax(x, dim, False)
-        quant.save(ctx, quant.quantize(out, spec, signed=False, share=True))
+        p = quant.quantize(out, spec, signed=False)
+        quant.save(ctx, p)
+        quant.share(out, p)
         ctx.dim = dim
         return out
 
@@ -142,19 +154,32 @@ class SoftmaxFn(torch.autograd.Function):
 
 
 class LayerNormFn(torch.autograd.Function):
-    """Keeps the compressed input and the fp32 per-row mean and rstd."""
+    """Keeps the compressed normalized input ``(x - mean) * rstd`` and the fp32 per-row mean
+    and rstd; registers it, with the affine parameters, as the (rebuildable) copy of its
+    output, so the next Linear (timm's qkv, fc1) keeps no second copy. The normalized input
+    is better conditioned for absmax groups than ``x`` itself (no per-row offset).
+    In the exact (debug) mode it keeps ``x`` itself."""
 
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps: float, spec: QuantSpec):
         out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
-        quant.save(ctx, _keep(x, spec), mean, rstd, weight, bias)
+        if spec.exact:
+            p = quant.quantize(x, spec)
+        else:
+            p = quant.quantize((x.float() - mean) * rstd, spec)
+        quant.save(ctx, p, mean, rstd, weight, bias)
+        quant.share(out, p.derived(("affine", normalized_shape, eps), aux=(weight, bias)))
         ctx.normalized_shape = normalized_shape
+        ctx.x_dtype = x.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad):
         px, mean, rstd, weight, bias = quant.load(ctx)
-        x = quant.dequantize(px)
+        if px.spec.exact:
+            x = quant.dequantize(px)
+        else:  # x = x_hat / rstd + mean
+            x = (quant.dequantize(px, torch.float32) / rstd + mean).to(ctx.x_dtype)
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
         gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
             grad.contiguous(), x, ctx.normalized_shape, mean, rstd, weight, bias, mask
@@ -274,6 +299,9 @@ class SDPAFn(torch.autograd.Function):
             for t, s in zip((q, k, v, out), (qk_spec, qk_spec, spec, spec), strict=True)
         ]
         ctx.orders = [order for _, order in kept]
+        # the output, in memory order, is also the projection's input (timm reshapes it to
+        # (B, N, C), a view when the backend wrote it (B, N, H, D)-contiguous as cuDNN does)
+        quant.share(out, kept[3][0], memory_order=True)
         quant.save(ctx, *(p for p, _ in kept), lse, *extra)
         ctx.cfg = (backend, dropout_p, is_causal, scale)
         return out

@@ -162,7 +162,7 @@ class Linear(MesaModule, nn.Linear):
         if not self._mesa_active(x, self.weight, self.bias):
             return super().forward(x)
         dtype = compute_dtype("linear", x.device, x.dtype, self.weight.dtype)
-        return LinearFn.apply(_cast(x, dtype), self.weight, self.bias, dtype, self.mesa_spec)
+        return LinearFn.apply(_cast(x, dtype), self.weight, self.bias, dtype, self.mesa_spec, (x,))
 
 
 class GELU(MesaModule, nn.GELU):

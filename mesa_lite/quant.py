@@ -1,14 +1,21 @@
-"""The packed form of a saved activation and the one switch between Triton and the reference.
+"""The packed form of a saved activation, sharing one copy between ops, and the one switch
+between Triton and the reference.
 
-A ``Packed`` holds codes + per-group fp32 scales and the metadata to rebuild the tensor. Autograd
-Functions keep its tensors through ``ctx.save_for_backward`` (``save``/``load`` below), so
+A ``Packed`` holds codes + per-group fp32 scales and the metadata to rebuild the tensor.
+Autograd Functions keep its tensors through ``ctx.save_for_backward`` (``save``/``load``), so
 PyTorch's saved-tensor hooks and checkpointing see them.
 
-Sharing: when two ops keep the same tensor object (a softmax output that the next matmul also
-keeps), the second reuses the first one's codes instead of quantizing again. The producer opts
-in (``quantize(..., share=True)``) for its own fresh output. The registry is
-keyed by the tensor's identity, checked against its version counter, and drops an entry when
-that tensor dies.
+A ``Packed`` may also carry a recipe that rebuilds a tensor *derived* from the stored one: the
+codes of a GELU's input rebuild the GELU's output (``gelu``), the codes of a LayerNorm's
+normalized input rebuild its output with the affine parameters (``affine``). That is how one
+copy serves two ops (timm's LayerNorm -> Linear and fc1 -> GELU -> fc2).
+
+Sharing: a producer registers its fresh output (``share(out, packed)``); a consumer that keeps
+that very tensor, a dense view of the same memory (SDPA's output reshaped for the projection),
+or its autocast cast (``lookup_shared(x, spec, key=pre_cast)``), reuses the codes instead of
+quantizing again. Entries are checked against the tensor's version counter and dropped when
+the tensor's storage owner dies. Only producers opt in, for tensors made fresh in each forward:
+a tensor that lives across steps would hand the same codes (and stochastic draw) to each step.
 """
 
 from __future__ import annotations
@@ -16,11 +23,12 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.nn.functional as F
 
 from mesa_lite.config import QuantSpec
 from mesa_lite.kernels import group_quant
 
-__all__ = ["Packed", "quantize", "dequantize", "lookup_shared", "save", "load"]
+__all__ = ["Packed", "quantize", "dequantize", "share", "lookup_shared", "save", "load"]
 
 
 class Packed:
@@ -30,25 +38,40 @@ class Packed:
         codes: flat codes (int8/uint8 at 8 bits, packed uint8 below), or the exact tensor
             itself when ``spec.exact``.
         scales: fp32, one per group (None when exact).
-        shape: the original shape.
-        dtype: the original dtype.
+        shape: the shape of the tensor this rebuilds.
+        dtype: the dtype of the stored tensor.
         spec: how it was quantized.
-        signed: int8 symmetric codes (True) or uint8 non-negative codes (False).
+        signed: signed codes (True) or unsigned codes for non-negative tensors (False).
+        recipe: None, or how to derive the tensor from the stored one: ``("gelu", approximate)``
+            or ``("affine", normalized_shape, eps)`` (weight and bias in ``aux``; in the exact
+            mode the stored tensor is the LayerNorm input and the recipe reruns the LayerNorm).
+        aux: tensors the recipe needs, kept with ``save_for_backward`` too.
     """
 
-    __slots__ = ("codes", "scales", "shape", "dtype", "spec", "signed")
+    __slots__ = ("codes", "scales", "shape", "dtype", "spec", "signed", "recipe", "aux")
 
-    def __init__(self, codes, scales, shape, dtype, spec: QuantSpec, signed: bool = True) -> None:
+    def __init__(
+        self, codes, scales, shape, dtype, spec: QuantSpec, signed=True, recipe=None, aux=()
+    ) -> None:
         self.codes = codes
         self.scales = scales
         self.shape = shape
         self.dtype = dtype
         self.spec = spec
         self.signed = signed
+        self.recipe = recipe
+        self.aux = aux
 
     def meta(self) -> tuple:
-        """Everything but the tensors, to rebuild with ``Packed(codes, scales, *meta)``."""
-        return (self.shape, self.dtype, self.spec, self.signed)
+        """Everything but codes, scales and aux, to rebuild with ``Packed(c, s, *meta)``."""
+        return (self.shape, self.dtype, self.spec, self.signed, self.recipe)
+
+    def derived(self, recipe, aux=(), shape=None) -> Packed:
+        """The same codes, rebuilding another tensor through ``recipe``."""
+        return Packed(
+            self.codes, self.scales, self.shape if shape is None else shape, self.dtype,
+            self.spec, self.signed, recipe, tuple(aux),
+        )  # fmt: skip
 
     def nbytes(self) -> int:
         n = self.codes.numel() * self.codes.element_size()
@@ -59,7 +82,7 @@ class Packed:
     def __repr__(self) -> str:
         return (
             f"Packed(shape={tuple(self.shape)}, dtype={self.dtype}, {self.spec.describe()}, "
-            f"signed={self.signed}, {self.nbytes()} bytes)"
+            f"signed={self.signed}, recipe={self.recipe}, {self.nbytes()} bytes)"
         )
 
 
@@ -67,41 +90,39 @@ def _use_triton(t: torch.Tensor) -> bool:
     return group_quant.HAS_TRITON and t.is_cuda
 
 
-def quantize(x: torch.Tensor, spec: QuantSpec, signed: bool = True, share: bool = False) -> Packed:
-    """Compresses ``x`` as ``spec`` says.
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec, signed: bool = True) -> Packed:
+    """Compresses ``x`` as ``spec`` says (in its logical, row-major order).
 
     Args:
         x: the tensor to keep (fp32, fp16 or bf16).
         spec: the layer's QuantSpec.
         signed: False for tensors known to be non-negative (unsigned codes, one more bit).
-        share: register the result so that a later op keeping this very tensor reuses it (see
-            module doc). Only for tensors made fresh in each forward (an op's own output): a
-            tensor that lives across steps would hand the same codes, and the same stochastic
-            draw, to every step.
     """
     if spec.exact:
-        packed = Packed(x, None, x.shape, x.dtype, spec, signed)
-    else:
-        codes, scales = group_quant.quantize(
-            x,
-            spec.group_size,
-            signed=signed,
-            stochastic=spec.stochastic,
-            use_triton=_use_triton(x),
-            bits=spec.bits,
-        )
-        packed = Packed(codes, scales, x.shape, x.dtype, spec, signed)
-    if share:
-        _register(x, packed)
-    return packed
+        return Packed(x, None, x.shape, x.dtype, spec, signed)
+    codes, scales = group_quant.quantize(
+        x,
+        spec.group_size,
+        signed=signed,
+        stochastic=spec.stochastic,
+        use_triton=_use_triton(x),
+        bits=spec.bits,
+    )
+    return Packed(codes, scales, x.shape, x.dtype, spec, signed)
 
 
-def dequantize(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Rebuilds the tensor of ``p`` in ``dtype`` (the original dtype by default)."""
-    dtype = p.dtype if dtype is None else dtype
+def _stored(p: Packed, dtype: torch.dtype) -> torch.Tensor:
+    """The stored tensor (before any recipe), flat unless exact, in ``dtype``."""
     if p.spec.exact:
         return p.codes.to(dtype)
-    flat = group_quant.dequantize(
+    return group_quant.dequantize(
         p.codes,
         p.scales,
         p.spec.group_size,
@@ -109,49 +130,124 @@ def dequantize(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
         use_triton=_use_triton(p.codes),
         bits=p.spec.bits,
         signed=p.signed,
-        numel=p.shape.numel(),
+        numel=_prod(p.shape),
     )
-    return flat.view(p.shape)
 
 
-# ---- sharing one copy between ops that keep the same tensor --------------------------------
+def dequantize(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Rebuilds the tensor of ``p`` (through its recipe, if any) in ``dtype``.
 
-# id(tensor) -> (weakref to tensor, its version, codes, scales, Packed meta)
-_SHARED: dict[int, tuple] = {}
+    Recipes run in fp32 from the dequantized values, then cast once; in the exact (debug) mode
+    they rerun the very op of the forward on the exact input, so results are bit-identical.
+    """
+    dtype = p.dtype if dtype is None else dtype
+    if p.recipe is None:
+        return _stored(p, dtype).view(p.shape)
+    kind = p.recipe[0]
+    if kind == "gelu":
+        h = p.codes if p.spec.exact else _stored(p, torch.float32)
+        return F.gelu(h, approximate=p.recipe[1]).to(dtype).view(p.shape)
+    if kind == "affine":
+        normalized_shape, eps = p.recipe[1], p.recipe[2]
+        weight, bias = p.aux
+        if p.spec.exact:  # codes: the LayerNorm input itself
+            y = F.layer_norm(p.codes, normalized_shape, weight, bias, eps)
+            return y.to(dtype).view(p.shape)
+        y = _stored(p, torch.float32).view(p.shape)
+        if weight is not None:
+            y = y * weight.float()
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(dtype)
+    raise ValueError(f"unknown recipe {p.recipe!r}")
 
 
-def _register(x: torch.Tensor, p: Packed) -> None:
-    """Remembers ``p`` as made from ``x`` while ``x`` lives.
+# ---- sharing one copy between ops ------------------------------------------------------------
+
+# id(storage owner) -> list of entries; an entry: (weakref to the owner, version, storage
+# offset, shape, strides, memory_order, Packed meta tuple, codes, scales, aux)
+_SHARED: dict[int, list] = {}
+
+
+def _owner(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+def _memory_order(t: torch.Tensor) -> tuple[int, ...]:
+    """The dims of ``t`` from outermost to innermost in memory (sorted by stride)."""
+    return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d])))
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.permute(_memory_order(t)).is_contiguous()
+
+
+def share(x: torch.Tensor, p: Packed, memory_order: bool = False) -> None:
+    """Registers ``p`` as the codes of ``x`` (an op's fresh output) while ``x`` lives.
+
+    Args:
+        x: the tensor the Packed rebuilds.
+        p: its Packed (possibly with a recipe).
+        memory_order: the codes follow ``x``'s memory order rather than its logical order
+            (``x`` must then be dense); any contiguous view of the same memory can reuse them.
 
     The entry holds the codes strongly (a saved-tensor hook may keep an alias instead of the
     object saved, so a weak reference could die while the storage lives) and is dropped when
-    ``x`` dies; codes are smaller than ``x``, so this never outlives a larger tensor. In the
-    exact mode the codes are ``x`` itself and are not held.
+    the owner of ``x``'s storage dies. In the exact mode the stored tensor itself is held
+    weakly, so nothing is kept alive by the registry.
     """
-    key = id(x)
-    ref = weakref.ref(x, lambda _r, key=key: _SHARED.pop(key, None))
-    codes = None if p.codes is x else p.codes
-    _SHARED[key] = (ref, x._version, codes, p.scales, p.meta())
+    if memory_order and not _dense(x):
+        return
+    owner = _owner(x)
+    key = id(owner)
+    if key not in _SHARED:
+        weakref.finalize(owner, _SHARED.pop, key, None)
+        _SHARED[key] = []
+    codes = weakref.ref(p.codes) if p.spec.exact else p.codes
+    _SHARED[key].append(
+        (weakref.ref(owner), x._version, x.storage_offset(), tuple(x.shape), x.stride(),
+         memory_order, p.meta(), codes, p.scales, p.aux)
+    )  # fmt: skip
 
 
-def lookup_shared(x: torch.Tensor, spec: QuantSpec) -> Packed | None:
-    """The Packed already made from this very tensor (same object, unmodified), if any.
+def lookup_shared(
+    x: torch.Tensor, spec: QuantSpec, key: torch.Tensor | None = None
+) -> Packed | None:
+    """The Packed already registered for ``key`` (default ``x``), for a consumer keeping ``x``.
 
-    Reused only when it was made with the same bits and group size, so the saved precision is
-    what ``spec`` asks for.
+    ``key`` is the tensor before an autocast cast (``x`` is its cast); the Packed then rebuilds
+    in ``x``'s dtype when dequantized with it. Reused only for the same bits and group size,
+    so the saved precision is what ``spec`` asks for; rebuilt with ``x``'s shape.
     """
-    entry = _SHARED.get(id(x))
-    if entry is None:
+    t = x if key is None else key
+    entries = _SHARED.get(id(_owner(t)))
+    if not entries:
         return None
-    ref, version, codes, scales, meta = entry
-    if ref() is not x or x._version != version:
-        return None
-    kept = meta[2]
-    if kept.exact != spec.exact or kept.bits != spec.bits:
-        return None
-    if not spec.exact and kept.group_size != spec.group_size:
-        return None
-    return Packed(x if codes is None else codes, scales, *meta)
+    for ref, version, offset, shape, stride, memory_order, meta, codes, scales, aux in entries:
+        if ref() is not _owner(t) or t._version != version or t.storage_offset() != offset:
+            continue
+        kept = meta[2]
+        if kept.exact != spec.exact or kept.bits != spec.bits:
+            continue
+        if not spec.exact and kept.group_size != spec.group_size:
+            continue
+        if memory_order:
+            # codes in the (dense) memory order: a contiguous tensor over the same memory range
+            # reads its elements in that very order
+            ok = t.is_contiguous() and t.numel() == _prod(shape)
+        else:
+            ok = tuple(t.shape) == shape and t.stride() == stride
+        if not ok:
+            continue
+        if kept.exact:
+            codes = codes()
+            if codes is None:
+                continue
+        p = Packed(codes, scales, *meta)
+        p.aux = aux
+        p.shape = x.shape
+        return p
+    return None
 
 
 # ---- keeping Packed objects on an autograd ctx ----------------------------------------------
@@ -163,8 +259,8 @@ def save(ctx, *items: Packed | torch.Tensor | None) -> None:
     layout: list[tuple | None] = []
     for item in items:
         if isinstance(item, Packed):
-            tensors += [item.codes, item.scales]
-            layout.append(item.meta())
+            tensors += [item.codes, item.scales, *item.aux]
+            layout.append((item.meta(), len(item.aux)))
         else:
             tensors.append(item)
             layout.append(None)
@@ -176,10 +272,12 @@ def load(ctx) -> list[Packed | torch.Tensor | None]:
     """The items given to :func:`save`, in order."""
     saved = iter(ctx.saved_tensors)
     out: list[Packed | torch.Tensor | None] = []
-    for meta in ctx.mesa_layout:
-        if meta is None:
+    for entry in ctx.mesa_layout:
+        if entry is None:
             out.append(next(saved))
         else:
+            meta, n_aux = entry
             codes, scales = next(saved), next(saved)
-            out.append(Packed(codes, scales, *meta))
+            aux = tuple(next(saved) for _ in range(n_aux))
+            out.append(Packed(codes, scales, *meta, aux))
     return out

@@ -215,8 +215,10 @@ def test_shared_codes_not_reused_after_in_place_change():
     x = torch.randn(10, 10)
     mesa_lite.quant.quantize(x, spec)
     assert mesa_lite.quant.lookup_shared(x, spec) is None, "only producers that opt in share"
-    p = mesa_lite.quant.quantize(x, spec, share=True)
+    p = mesa_lite.quant.quantize(x, spec)
+    mesa_lite.quant.share(x, p)
     assert mesa_lite.quant.lookup_shared(x, spec) is not None
+    assert mesa_lite.quant.lookup_shared(x.t(), spec) is None, "another view: other order"
     x.add_(1)
     assert mesa_lite.quant.lookup_shared(x, spec) is None, "stale codes after an in-place change"
     del p
