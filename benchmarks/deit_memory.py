@@ -76,6 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="rows: " + ", ".join(f"{k} = {v}" for k, v in MODES.items())
         + " (default: all on a GPU, amp and mesa on CPU)",
     )  # fmt: skip
+    p.add_argument(
+        "--bits", nargs="+", type=int, choices=[8, 4, 2], default=[8],
+        help="code widths of the mesa rows, one row each (default: 8)",
+    )  # fmt: skip
     p.add_argument("--steps", type=int, default=None, help="measured steps (default: 20; CPU 3)")
     p.add_argument("--warmup", type=int, default=None, help="steps before measuring (3; CPU 1)")
     p.add_argument("--img-size", type=int, default=224, help="input resolution")
@@ -111,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def make_model(name: str, attention: str, mode: str, img_size: int):
+def make_model(name: str, attention: str, mode: str, img_size: int, bits: int = 8):
     import timm
 
     torch.manual_seed(0)  # every row of a model starts from the same weights
@@ -120,7 +124,7 @@ def make_model(name: str, attention: str, mode: str, img_size: int):
         if hasattr(m, "fused_attn"):
             m.fused_attn = attention == "fused"
     if mode == "mesa":
-        mesa_lite.wrap(model)
+        mesa_lite.wrap(model, mesa_lite.Config(bits=bits))
     elif mode == "ckpt":
         model.set_grad_checkpointing(True)
     return model.train()
@@ -136,12 +140,12 @@ def _train_step(model, opt, scaler, x, y, dtype):
     return loss
 
 
-def gpu_row(name, mode, dtype_name, attention, x, y, args) -> dict:
+def gpu_row(name, mode, dtype_name, attention, x, y, args, bits=8) -> dict:
     dtype = DTYPES[dtype_name]
     device = x.device
     # what is allocated before the row starts (the inputs only, if earlier rows freed all)
     before = torch.cuda.memory_allocated(device)
-    model = make_model(name, attention, mode, args.img_size).to(device)
+    model = make_model(name, attention, mode, args.img_size, bits).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
     for _ in range(args.warmup):
@@ -167,9 +171,9 @@ def gpu_row(name, mode, dtype_name, attention, x, y, args) -> dict:
     return row
 
 
-def cpu_row(name, mode, dtype_name, attention, x, y, args) -> dict:
+def cpu_row(name, mode, dtype_name, attention, x, y, args, bits=8) -> dict:
     dtype = DTYPES[dtype_name]
-    model = make_model(name, attention, mode, args.img_size)
+    model = make_model(name, attention, mode, args.img_size, bits)
     kept = mesa_lite.report.saved_bytes(model, x, autocast=dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
@@ -204,7 +208,7 @@ def table(rows: list[dict], gpu: bool) -> str:
     short = lambda r: r["model"].replace("_patch16_224", "")  # noqa: E731
     rows = [dict(r, model_short=short(r)) for r in rows]
     cols = [("model_short", "model", "s"), ("dtype", "autocast", "s"),
-            ("attention", "attention", "s"), ("mode", "mode", "s")]  # fmt: skip
+            ("attention", "attention", "s"), ("label", "mode", "s")]  # fmt: skip
     if gpu:
         cols += [("peak_mib", "peak MiB", ".0f"), ("static_mib", "static MiB", ".0f"),
                  ("activation_mib", "peak-static MiB", ".0f"), ("step_ms", "step ms", ".1f"),
@@ -223,17 +227,20 @@ def plot(rows: list[dict], path: Path, memory_key: str, memory_label: str) -> No
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
 
     rows = [r for r in rows if "error" not in r]
     labels = [
         f"{r['model'].replace('_patch16_224', '').replace('deit_', '')}\n{r['dtype']} "
-        f"{r['attention'][:5]}\n{r['mode']}"
+        f"{r['attention'][:5]}\n{r['label']}"
         for r in rows
     ]
     colors = {"amp": "tab:gray", "mesa": "tab:blue", "ckpt": "tab:orange"}
+    shades = {8: 1.0, 4: 0.7, 2: 0.45}  # mesa rows: lighter for fewer bits
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.55 * len(rows)), 8), sharex=True)
     for ax, key, ylabel in ((axes[0], memory_key, memory_label), (axes[1], "step_ms", "step ms")):
-        ax.bar(range(len(rows)), [r[key] for r in rows], color=[colors[r["mode"]] for r in rows])
+        rgba = [to_rgba(colors[r["mode"]], shades.get(r.get("bits"), 1.0)) for r in rows]
+        ax.bar(range(len(rows)), [r[key] for r in rows], color=rgba)
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
     axes[1].set_xticks(range(len(rows)), labels, fontsize=6)
@@ -259,11 +266,16 @@ def main(argv=None) -> list[dict]:
         y = torch.randint(0, 1000, (args.batch_size,), generator=g).to(device)
         for dtype_name in args.dtype:
             for attention in args.attention:
-                for mode in args.modes:
+                runs = [(m, b) for m in args.modes for b in (args.bits if m == "mesa" else [None])]
+                for mode, bits in runs:
+                    label = mode if bits in (None, 8) else f"{mode} int{bits}"
                     row = {"model": name, "batch": args.batch_size, "dtype": dtype_name,
-                           "attention": attention, "mode": mode, **env}  # fmt: skip
+                           "attention": attention, "mode": mode, "bits": bits, "label": label,
+                           **env}  # fmt: skip
                     try:
-                        row.update(run_row(name, mode, dtype_name, attention, x, y, args))
+                        row.update(
+                            run_row(name, mode, dtype_name, attention, x, y, args, bits or 8)
+                        )
                     except Exception as e:  # a row that fails (OOM) is reported, not hidden
                         row["error"] = f"{type(e).__name__}: {e}"[:500]
                         traceback.print_exc()

@@ -137,15 +137,18 @@ def _stored(p: Packed, dtype: torch.dtype) -> torch.Tensor:
 def dequantize(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Rebuilds the tensor of ``p`` (through its recipe, if any) in ``dtype``.
 
-    Recipes run in fp32 from the dequantized values, then cast once; in the exact (debug) mode
-    they rerun the very op of the forward on the exact input, so results are bit-identical.
+    The GELU recipe runs in the stored tensor's dtype (as the forward did), the affine recipe in
+    fp32 (LayerNorm outputs are narrow), then one cast; in the exact (debug) mode recipes rerun
+    the very op of the forward on the exact input, so results are bit-identical.
     """
     dtype = p.dtype if dtype is None else dtype
     if p.recipe is None:
         return _stored(p, dtype).view(p.shape)
     kind = p.recipe[0]
     if kind == "gelu":
-        h = p.codes if p.spec.exact else _stored(p, torch.float32)
+        # in the stored dtype, as the forward's GELU ran: an fp32 detour would allocate two
+        # fp32 temporaries of the MLP's widest activation in the middle of backward
+        h = p.codes if p.spec.exact else _stored(p, p.dtype)
         return F.gelu(h, approximate=p.recipe[1]).to(dtype).view(p.shape)
     if kind == "affine":
         normalized_shape, eps = p.recipe[1], p.recipe[2]

@@ -13,30 +13,12 @@ pytest.importorskip("timm")
 @pytest.mark.slow
 def test_deit_memory_cpu_rows_consistent(tmp_path):
     out = tmp_path / "dm"
-    rows = deit_memory.main(
-        [
-            "--device",
-            "cpu",
-            "--img-size",
-            "64",
-            "--batch-size",
-            "2",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--out",
-            str(out),
-        ]  # fmt: skip
-    )
+    argv = "--device cpu --img-size 64 --batch-size 2 --steps 2 --warmup 1 --bits 8 4 --out"
+    rows = deit_memory.main(argv.split() + [str(out)])
     lines = [json.loads(s) for s in out.with_suffix(".jsonl").read_text().splitlines()]
     assert lines == json.loads(json.dumps(rows))
-    assert {(r["attention"], r["mode"]) for r in lines} == {
-        ("fused", "amp"),
-        ("fused", "mesa"),
-        ("explicit", "amp"),
-        ("explicit", "mesa"),
-    }
+    labels = {(r["attention"], r["label"]) for r in lines}
+    assert labels == {(a, m) for a in ("fused", "explicit") for m in ("amp", "mesa", "mesa int4")}
     for r in lines:
         for key in ("device", "torch", "triton", "timm", "date", "model", "batch", "dtype"):
             assert key in r
@@ -47,8 +29,11 @@ def test_deit_memory_cpu_rows_consistent(tmp_path):
         )
         assert r["step_ratio"] == pytest.approx(r["step_ms"] / base["step_ms"])
         assert r["kept_for_backward_mib"] > 0 and r["step_ms"] > 0
-    mesa = {r["attention"]: r for r in lines if r["mode"] == "mesa"}
-    assert mesa["explicit"]["memory_reduction"] > 1.8 and mesa["fused"]["memory_reduction"] > 1.3
+    mesa = {r["attention"]: r for r in lines if r["label"] == "mesa"}
+    assert mesa["explicit"]["memory_reduction"] > 2.5 and mesa["fused"]["memory_reduction"] > 2.5
+    mesa4 = {r["attention"]: r for r in lines if r["label"] == "mesa int4"}
+    for attention, r in mesa4.items():
+        assert r["memory_reduction"] > mesa[attention]["memory_reduction"], "4 bits keep less"
     md = out.with_suffix(".md").read_text()
     assert "not GPU peak memory" in md and "| deit_tiny | bf16 | fused | mesa |" in md
     assert out.with_suffix(".png").stat().st_size > 1000
