@@ -41,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--mesa", action=argparse.BooleanOptionalAction, default=True,
         help="wrap the model with mesa_lite (--no-mesa for the plain baseline)",
     )  # fmt: skip
+    p.add_argument("--bits", type=int, choices=[8, 4, 2], default=8, help="mesa_lite code width")
     p.add_argument("--amp-dtype", choices=list(DTYPES), default="fp16", help="autocast dtype")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=64)
@@ -126,7 +127,7 @@ def main(argv=None) -> dict:
         args.model, pretrained=False, num_classes=n_cls, img_size=args.img_size
     )
     if args.mesa:
-        mesa_lite.wrap(model)
+        mesa_lite.wrap(model, mesa_lite.Config(bits=args.bits))
     model.to(device).train()
     dtype = DTYPES[args.amp_dtype]
     lr = args.lr * args.batch_size / 512
@@ -147,6 +148,7 @@ def main(argv=None) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     history = []
+    acc = None
     for epoch in range(start_epoch, args.epochs):
         t_epoch = time.perf_counter()
         bar = tqdm(train, desc=f"Epoch: [{epoch}]", leave=False, disable=not sys.stderr.isatty())
@@ -196,7 +198,7 @@ def main(argv=None) -> dict:
             torch.save(state, args.output / "checkpoint.pth")
         if args.max_steps is not None and step >= args.max_steps:
             break
-    return {"losses": history, "step": step, "model": model}
+    return {"losses": history, "step": step, "model": model, "val_acc": acc}
 
 
 if __name__ == "__main__":

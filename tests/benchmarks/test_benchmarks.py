@@ -100,3 +100,19 @@ def test_train_deit_synthetic_checkpoint_and_resume(tmp_path, capsys):
         "deit_tiny_patch16_224", pretrained=False, num_classes=10, img_size=32
     )
     plain.load_state_dict(torch.load(ckpt, weights_only=False)["model"], strict=True)
+
+
+def test_grad_fidelity_small(tmp_path):
+    from benchmarks import grad_fidelity
+
+    argv = "--models deit_tiny_patch16_224 --bits 8 4 --rounding nearest --img-size 32"
+    argv += " --batch-size 4 --device cpu --no-plot --out " + str(tmp_path / "gf")
+    res = grad_fidelity.main(argv.split())
+    summary = {(r["bits"], r["kind"]): r for r in res["by_kind"]}
+    assert summary[(8, "all")]["loss_exact"] and summary[(4, "all")]["loss_exact"]
+    assert summary[(8, "all")]["median_db"] > 35 > summary[(4, "all")]["median_db"]
+    assert summary[(8, "Linear")]["min_cos"] > 0.99
+    blocks = [r for r in res["by_block"] if r["bits"] == 8]
+    assert [r["block"] for r in blocks] == list(range(12))
+    n_params = len(res["rows"]) // 2
+    assert n_params == 152  # every parameter of DeiT-Tiny, once per setting

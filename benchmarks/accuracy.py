@@ -1,0 +1,241 @@
+"""Accuracy with and without mesa_lite: paired training runs on real data.
+
+Default: scikit-learn's bundled handwritten digits (1,797 real 8x8 images, no download), a fixed
+stratified 80/20 train/test split, a small timm VisionTransformer sized for 8x8 inputs, AdamW
+with a cosine schedule, autocast (bf16 on CPU, fp16 with GradScaler on a GPU). For every seed,
+plain AMP and each mesa_lite width start from the same initial weights and see the same batches
+in the same order (a dedicated generator), so differences come from the compression alone.
+
+With ``--data-path`` (an ImageNet-layout folder, ``train/`` and ``val/``) and ``--model``, the
+same comparison runs on a user's data with a timm model, for a Mesa-style ImageNet study.
+
+Writes one JSON line per run and a markdown table of mean and spread per configuration:
+
+    python benchmarks/accuracy.py                        # digits, plain + 8/4/2 bits, 5 seeds
+    python benchmarks/accuracy.py --bits 8 --seeds 0 1 2 --epochs 20
+    python benchmarks/accuracy.py --data-path /data/imagenet --model deit_tiny_patch16_224 \
+        --epochs 300 --batch-size 256 --seeds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from .common import environment, markdown_table, write_jsonl
+except ImportError:  # run as a script
+    from common import environment, markdown_table, write_jsonl
+
+import mesa_lite
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+    )
+    p.add_argument("--data-path", type=Path, default=None, help="ImageNet-layout folder")
+    p.add_argument("--model", default=None, help="timm model name (with --data-path)")
+    p.add_argument(
+        "--bits", nargs="+", type=int, choices=[8, 4, 2], default=[8, 4, 2],
+        help="mesa_lite widths to compare with plain AMP",
+    )  # fmt: skip
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--depth", type=int, default=4, help="digits ViT: blocks")
+    p.add_argument("--embed-dim", type=int, default=64, help="digits ViT: width (4 heads)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--weight-decay", type=float, default=0.05)
+    p.add_argument("--amp-dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="default: fp16 on a GPU, bf16 on CPU")  # fmt: skip
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--config", default=None, help="extra mesa_lite.Config fields: key=value,...")
+    p.add_argument("--out", type=Path, default=RESULTS / "accuracy_digits")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    if args.amp_dtype is None:
+        args.amp_dtype = "fp16" if args.device.startswith("cuda") else "bf16"
+    return args
+
+
+def digits_data():
+    """(x_train, y_train, x_test, y_test): 8x8 images scaled to [0, 1], stratified 80/20."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    d = load_digits()
+    x = torch.tensor(d.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(d.target, dtype=torch.long)
+    idx_train, idx_test = train_test_split(
+        range(len(y)), test_size=0.2, stratify=d.target, random_state=0
+    )
+    mean, std = x[idx_train].mean(), x[idx_train].std()
+    x = (x - mean) / std
+    return x[idx_train], y[idx_train], x[idx_test], y[idx_test]
+
+
+def digits_model(depth: int = 4, embed_dim: int = 64):
+    from timm.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(
+        img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=embed_dim, depth=depth,
+        num_heads=4, mlp_ratio=2.0, class_token=True, global_pool="token",
+    )  # fmt: skip
+
+
+def parse_config(text: str | None) -> dict:
+    if not text:
+        return {}
+    out = {}
+    for item in text.split(","):
+        key, value = item.split("=", 1)
+        out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
+    return out
+
+
+def train_once(model, data, args, seed: int, device) -> dict:
+    """Trains ``model`` in place; returns final test accuracy (%) and the last train loss."""
+    x_tr, y_tr, x_te, y_te = (t.to(device) for t in data)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.amp_dtype]
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    order = torch.Generator().manual_seed(10_000 + seed)  # same batches for every config
+    steps_per_epoch = math.ceil(len(y_tr) / args.batch_size)
+    total = args.epochs * steps_per_epoch
+    step, loss = 0, torch.tensor(float("nan"))
+    model.train()
+    for _ in range(args.epochs):
+        perm = torch.randperm(len(y_tr), generator=order).to(device)
+        for i in range(0, len(y_tr), args.batch_size):
+            b = perm[i : i + args.batch_size]
+            for g in opt.param_groups:
+                g["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * step / total))
+            with torch.autocast(
+                device.type, dtype=dtype or torch.float32, enabled=dtype is not None
+            ):
+                loss = F.cross_entropy(model(x_tr[b]), y_tr[b])
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            step += 1
+    model.eval()
+    with (
+        torch.no_grad(),
+        torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None),
+    ):
+        pred = model(x_te).argmax(-1)
+    return {"test_acc": 100.0 * (pred == y_te).float().mean().item(), "train_loss": loss.item()}
+
+
+def run_digits(args) -> list[dict]:
+    device = torch.device(args.device)
+    data = digits_data()
+    env = environment()
+    extra = parse_config(args.config)
+    configs = [("plain", None)] + [(f"mesa int{b}", b) for b in args.bits]
+    rows = []
+    for seed in args.seeds:
+        torch.manual_seed(seed)
+        init = digits_model(args.depth, args.embed_dim)  # every config starts from these
+        for label, bits in configs:
+            model = copy.deepcopy(init).to(device)
+            if bits is not None:
+                mesa_lite.wrap(model, mesa_lite.Config(bits=bits, **extra))
+            torch.manual_seed(seed)  # stochastic rounding draws, reproducible per run
+            t0 = time.perf_counter()
+            res = train_once(model, data, args, seed, device)
+            row = {"dataset": "digits", "config": label, "bits": bits, "seed": seed,
+                   "epochs": args.epochs, "amp": args.amp_dtype, "extra_config": extra,
+                   "seconds": time.perf_counter() - t0, **res, **env}  # fmt: skip
+            rows.append(row)
+            if not args.quiet:
+                msg = f"seed {seed} {label:10s} test acc {res['test_acc']:.2f}%  "
+                msg += f"train loss {res['train_loss']:.4f}  {row['seconds']:.1f}s"
+                print(msg, flush=True)
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Mean, spread and the paired difference to plain, per configuration."""
+    by_cfg: dict[str, dict[int, float]] = {}
+    for r in rows:
+        by_cfg.setdefault(r["config"], {})[r["seed"]] = r["test_acc"]
+    plain = by_cfg.get("plain", {})
+    out = []
+    for cfg, accs in by_cfg.items():
+        vals = list(accs.values())
+        diffs = [accs[s] - plain[s] for s in accs if s in plain]
+        out.append({
+            "config": cfg, "runs": len(vals), "mean_acc": statistics.mean(vals),
+            "std_acc": statistics.stdev(vals) if len(vals) > 1 else 0.0,
+            "min_acc": min(vals), "max_acc": max(vals),
+            "mean_diff_vs_plain": statistics.mean(diffs) if diffs else None,
+            "worst_diff_vs_plain": min(diffs) if diffs else None,
+        })  # fmt: skip
+    return out
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.data_path is not None:
+        return run_imagenet(args)
+    rows = run_digits(args)
+    summary = summarize(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(args.out.with_suffix(".jsonl"), rows)
+    env = rows[0]
+    head = (
+        f"Test accuracy on scikit-learn digits (360 test images), ViT {args.depth}x"
+        f"{args.embed_dim}, {args.epochs} epochs, lr {args.lr}, batch {args.batch_size}, "
+        f"{args.amp_dtype} autocast, seeds {args.seeds} (paired: same init and batch order), "
+        f"{env['device']}, torch {env['torch']}, timm {env['timm']}, {env['date']}.\n\n"
+    )
+    cols = [("config", "config", "s"), ("runs", "runs", "d"), ("mean_acc", "mean acc %", ".2f"),
+            ("std_acc", "std", ".2f"), ("min_acc", "min", ".2f"), ("max_acc", "max", ".2f"),
+            ("mean_diff_vs_plain", "mean diff vs plain (points)", "+.2f"),
+            ("worst_diff_vs_plain", "worst paired diff", "+.2f")]  # fmt: skip
+    text = head + markdown_table(summary, cols) + "\n"
+    args.out.with_suffix(".md").write_text(text)
+    print()
+    print(text)
+    return {"rows": rows, "summary": summary}
+
+
+def run_imagenet(args) -> dict:
+    """The same paired comparison on an ImageNet-layout folder through train_deit.py."""
+    try:
+        from . import train_deit
+    except ImportError:
+        import train_deit
+
+    if args.model is None:
+        raise SystemExit("--data-path needs --model (a timm model name)")
+    results = []
+    for seed in args.seeds:
+        for bits in [None, *args.bits]:
+            argv = ["--model", args.model, "--data-path", str(args.data_path), "--epochs",
+                    str(args.epochs), "--batch-size", str(args.batch_size), "--seed", str(seed),
+                    "--amp-dtype", args.amp_dtype, "--device", args.device]  # fmt: skip
+            argv += ["--no-mesa"] if bits is None else ["--mesa", "--bits", str(bits)]
+            res = train_deit.main(argv)
+            results.append({"seed": seed, "bits": bits, "val_acc": res["val_acc"]})
+            print(results[-1], flush=True)
+    return {"rows": results}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

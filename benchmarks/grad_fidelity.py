@@ -1,0 +1,207 @@
+"""Gradient fidelity: the same batch through the exact and the compressed model.
+
+For each model and each (bits, rounding) setting: per-parameter gradient SQNR
+(20 log10 ||g|| / ||g - g_mesa||) and cosine similarity against the plain model's gradients
+under the same autocast, summarised per layer kind and per transformer block, plus a plot of
+SQNR by depth. The loss is checked bit-identical (forward is exact).
+
+    python benchmarks/grad_fidelity.py                              # DeiT-Ti/S (and B on a GPU)
+    python benchmarks/grad_fidelity.py --models deit_small_patch16_224 --bits 8 --dtype fp16
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import re
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from .common import environment, markdown_table, write_jsonl
+except ImportError:  # run as a script
+    from common import environment, markdown_table, write_jsonl
+
+import mesa_lite
+
+RESULTS = Path(__file__).parent / "results"
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+    )
+    models = ["deit_tiny_patch16_224", "deit_small_patch16_224"]
+    p.add_argument(
+        "--models", nargs="+", default=models + (["deit_base_patch16_224"] if gpu else [])
+    )
+    p.add_argument("--bits", nargs="+", type=int, choices=[8, 4, 2], default=[8, 4, 2])
+    p.add_argument("--rounding", nargs="+", choices=["nearest", "stochastic"],
+                   default=["nearest", "stochastic"])  # fmt: skip
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp16" if gpu else "bf16")
+    p.add_argument("--attention", choices=["fused", "explicit"], default="fused")
+    p.add_argument("--batch-size", type=int, default=64 if gpu else 8)
+    p.add_argument("--img-size", type=int, default=224)
+    p.add_argument("--device", default="cuda" if gpu else "cpu")
+    p.add_argument("--out", type=Path, default=RESULTS / f"grad_fidelity_{'gpu' if gpu else 'cpu'}")
+    p.add_argument("--no-plot", action="store_true")
+    return p.parse_args(argv)
+
+
+def _sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    ref, x = ref.double(), x.double()
+    err = (ref - x).norm()
+    return float("inf") if err == 0 else (20 * torch.log10(ref.norm() / err)).item()
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def _kind_and_block(model, name: str) -> tuple[str, int | None]:
+    owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    m = re.search(r"blocks\.(\d+)\.", name)
+    return type(owner).__name__, int(m.group(1)) if m else None
+
+
+def _grads(model, x, y, dtype):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, dtype=dtype):
+        loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def measure(name: str, args, device) -> list[dict]:
+    import timm
+
+    torch.manual_seed(0)
+    plain = timm.create_model(name, pretrained=False, img_size=args.img_size).to(device)
+    for m in plain.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = args.attention == "fused"
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=g).to(device)
+    y = torch.randint(0, 1000, (args.batch_size,), generator=g).to(device)
+    dtype = DTYPES[args.dtype]
+    loss_ref, g_ref = _grads(plain, x, y, dtype)
+    rows = []
+    for bits in args.bits:
+        for rounding in args.rounding:
+            model = mesa_lite.wrap(
+                copy.deepcopy(plain), mesa_lite.Config(bits=bits, rounding=rounding)
+            )
+            torch.manual_seed(0)
+            loss, g_mesa = _grads(model, x, y, dtype)
+            for pname, gr in g_ref.items():
+                kind, block = _kind_and_block(plain, pname)
+                rows.append({
+                    "model": name, "bits": bits, "rounding": rounding, "param": pname,
+                    "kind": kind, "block": block, "sqnr_db": _sqnr(gr, g_mesa[pname]),
+                    "cosine": _cos(gr, g_mesa[pname]),
+                    "loss_exact": bool(torch.equal(loss, loss_ref)),
+                })  # fmt: skip
+            del model
+    return rows
+
+
+def summarize(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(per model/bits/rounding and layer kind, per model/bits/rounding and block)."""
+
+    def group(key):
+        acc: dict[tuple, list[dict]] = {}
+        for r in rows:
+            acc.setdefault(key(r), []).append(r)
+        return acc
+
+    by_kind, by_block = [], []
+    for (model, bits, rounding), rs in group(
+        lambda r: (r["model"], r["bits"], r["rounding"])
+    ).items():
+        finite = [r["sqnr_db"] for r in rs if r["sqnr_db"] != float("inf")]
+        by_kind.append({"model": model, "bits": bits, "rounding": rounding, "kind": "all",
+                        "median_db": statistics.median(finite), "min_db": min(finite),
+                        "min_cos": min(r["cosine"] for r in rs),
+                        "loss_exact": all(r["loss_exact"] for r in rs)})  # fmt: skip
+        kinds: dict[str, list[dict]] = {}
+        for r in rs:
+            kinds.setdefault(r["kind"], []).append(r)
+        for kind, ks in sorted(kinds.items()):
+            vals = [r["sqnr_db"] for r in ks if r["sqnr_db"] != float("inf")] or [float("inf")]
+            by_kind.append({
+                "model": model, "bits": bits, "rounding": rounding, "kind": kind,
+                "median_db": statistics.median(vals), "min_db": min(vals),
+                "min_cos": min(r["cosine"] for r in ks), "loss_exact": None,
+            })  # fmt: skip
+        blocks: dict[int, list[float]] = {}
+        for r in rs:
+            if r["block"] is not None and r["sqnr_db"] != float("inf"):
+                blocks.setdefault(r["block"], []).append(r["sqnr_db"])
+        for b, vals in sorted(blocks.items()):
+            by_block.append({
+                "model": model, "bits": bits, "rounding": rounding, "block": b,
+                "median_db": statistics.median(vals), "min_db": min(vals),
+            })  # fmt: skip
+    return by_kind, by_block
+
+
+def plot(by_block: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series: dict[tuple, list[dict]] = {}
+    for r in by_block:
+        series.setdefault((r["model"], r["bits"], r["rounding"]), []).append(r)
+    for (model, bits, rounding), rs in series.items():
+        ax.plot([r["block"] for r in rs], [r["median_db"] for r in rs], marker="o", ms=3,
+                label=f"{model.replace('_patch16_224', '')} int{bits} {rounding}")  # fmt: skip
+    ax.set_xlabel("block")
+    ax.set_ylabel("median parameter-gradient SQNR (dB)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    env = environment()
+    rows = []
+    for name in args.models:
+        rows += [
+            dict(r, **env, dtype=args.dtype, attention=args.attention)
+            for r in measure(name, args, device)
+        ]
+    by_kind, by_block = summarize(rows)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(args.out.with_suffix(".jsonl"), rows)
+    cols = [("model", "model", "s"), ("bits", "bits", "d"), ("rounding", "rounding", "s"),
+            ("kind", "layer kind", "s"), ("median_db", "median SQNR dB", ".1f"),
+            ("min_db", "min SQNR dB", ".1f"), ("min_cos", "min cosine", ".4f")]  # fmt: skip
+    head = (
+        f"Parameter-gradient fidelity, {args.attention} attention, {args.dtype} autocast, "
+        f"batch {args.batch_size}, {env['device']}, torch {env['torch']}, {env['date']}.\n\n"
+    )
+    text = head + markdown_table(by_kind, cols) + "\n"
+    args.out.with_suffix(".md").write_text(text)
+    if not args.no_plot:
+        plot(by_block, args.out.with_suffix(".png"))
+    print(text)
+    return {"rows": rows, "by_kind": by_kind, "by_block": by_block}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
