@@ -115,7 +115,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def make_model(name: str, attention: str, mode: str, img_size: int, bits: int = 8):
+def make_model(name: str, attention: str, mode: str, img_size: int, bits: int = 8, config=None):
     import timm
 
     torch.manual_seed(0)  # every row of a model starts from the same weights
@@ -124,7 +124,7 @@ def make_model(name: str, attention: str, mode: str, img_size: int, bits: int = 
         if hasattr(m, "fused_attn"):
             m.fused_attn = attention == "fused"
     if mode == "mesa":
-        mesa_lite.wrap(model, mesa_lite.Config(bits=bits))
+        mesa_lite.wrap(model, config if config is not None else mesa_lite.Config(bits=bits))
     elif mode == "ckpt":
         model.set_grad_checkpointing(True)
     return model.train()
@@ -140,12 +140,12 @@ def _train_step(model, opt, scaler, x, y, dtype):
     return loss
 
 
-def gpu_row(name, mode, dtype_name, attention, x, y, args, bits=8) -> dict:
+def gpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None) -> dict:
     dtype = DTYPES[dtype_name]
     device = x.device
     # what is allocated before the row starts (the inputs only, if earlier rows freed all)
     before = torch.cuda.memory_allocated(device)
-    model = make_model(name, attention, mode, args.img_size, bits).to(device)
+    model = make_model(name, attention, mode, args.img_size, bits, config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
     scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
     for _ in range(args.warmup):

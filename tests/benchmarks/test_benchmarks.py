@@ -116,3 +116,25 @@ def test_grad_fidelity_small(tmp_path):
     assert [r["block"] for r in blocks] == list(range(12))
     n_params = len(res["rows"]) // 2
     assert n_params == 152  # every parameter of DeiT-Tiny, once per setting
+
+
+def test_ablation_rows_pareto_and_resume(tmp_path):
+    from benchmarks import ablate
+
+    out = tmp_path / "abl.csv"
+    argv = f"--bits 8 2 --group-sizes 128 --seeds 0 --epochs 1 --device cpu --csv {out}"
+    rows = ablate.main(argv.split())
+    assert [(r["bits"], r["group_size"]) for r in rows] == [(8, 128), (2, 128)]
+    r8, r2 = rows
+    assert r2["memory_mib"] < r8["memory_mib"] < r8["plain_mib"]
+    assert r8["memory_reduction"] == pytest.approx(r8["plain_mib"] / r8["memory_mib"])
+    assert r8["grad_median_db"] > 35 > r2["grad_median_db"]
+    # Pareto: r2 uses less memory, so it is on the front whatever its accuracy; r8 is on it
+    # only if it is more accurate than r2
+    assert r2["pareto"] and r8["pareto"] == (r8["acc_mean"] > r2["acc_mean"])
+    assert out.with_suffix(".png").exists()
+    # resumable: a rerun finds every row done and measures nothing
+    again = ablate.main(argv.split())
+    assert len(again) == 2 and [float(r["memory_mib"]) for r in again] == pytest.approx(
+        [r8["memory_mib"], r2["memory_mib"]]
+    )

@@ -1,0 +1,221 @@
+"""Memory against accuracy: sweep mesa_lite configs, one CSV row each, and chart the Pareto front.
+
+For every config of the grid (bits x group size x rounding x which layer kinds) it measures:
+  memory     GPU peak of DeiT training steps (``deit_memory``'s row) on a GPU, else the bytes one
+             DeiT forward keeps for backward (CPU), with the plain model's figure beside it;
+  accuracy   test accuracy on scikit-learn's digits (``accuracy``), mean over ``--seeds``;
+  gradients  median parameter-gradient SQNR on DeiT (``grad_fidelity``).
+Rows already in the CSV are skipped, so an interrupted sweep resumes where it stopped.
+
+    python benchmarks/ablate.py                               # the default grid
+    python benchmarks/ablate.py --bits 8 4 --group-sizes 32 128 --layers all no-attention
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import itertools
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+try:
+    from . import accuracy, grad_fidelity
+    from .common import MIB
+    from .deit_memory import gpu_row, make_model
+except ImportError:  # run as a script
+    import accuracy
+    import grad_fidelity
+    from common import MIB
+    from deit_memory import gpu_row, make_model
+
+import mesa_lite
+from mesa_lite.config import LAYER_KINDS
+
+RESULTS = Path(__file__).parent / "results"
+LAYER_SETS = {
+    "all": set(LAYER_KINDS),
+    "no-attention": set(LAYER_KINDS) - {"attention", "softmax", "matmul"},
+    "linear-only": {"linear"},
+}
+FIELDS = ["bits", "group_size", "rounding", "layers", "memory_kind", "memory_mib", "plain_mib",
+          "memory_reduction", "acc_mean", "acc_std", "plain_acc_mean", "grad_median_db",
+          "grad_min_db", "pareto"]  # fmt: skip
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+    )
+    p.add_argument("--bits", nargs="+", type=int, choices=[8, 4, 2], default=[8, 4, 2])
+    p.add_argument("--group-sizes", nargs="+", type=int, default=[64, 128, 512])
+    p.add_argument("--rounding", nargs="+", choices=["nearest", "stochastic", "default"],
+                   default=["default"])  # fmt: skip
+    p.add_argument("--layers", nargs="+", choices=list(LAYER_SETS), default=["all"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--epochs", type=int, default=15, help="digits training epochs")
+    p.add_argument("--memory-model", default="deit_tiny_patch16_224")
+    p.add_argument("--batch-size", type=int, default=None, help="memory batch (128 GPU, 8 CPU)")
+    p.add_argument("--csv", type=Path, default=RESULTS / "ablation.csv")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-plot", action="store_true")
+    return p.parse_args(argv)
+
+
+def _config(bits, group_size, rounding, layers) -> mesa_lite.Config:
+    return mesa_lite.Config(
+        bits=bits, group_size=group_size, layers=LAYER_SETS[layers],
+        rounding=None if rounding == "default" else rounding,
+    )  # fmt: skip
+
+
+def _key(row: dict) -> tuple:
+    return (int(row["bits"]), int(row["group_size"]), row["rounding"], row["layers"])
+
+
+def _memory(cfg: mesa_lite.Config | None, args, device) -> tuple[str, float]:
+    if device.type == "cuda":
+        batch = args.batch_size or 128
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(batch, 3, 224, 224, generator=g).to(device)
+        y = torch.randint(0, 1000, (batch,), generator=g).to(device)
+        ns = argparse.Namespace(img_size=224, warmup=2, steps=3)
+        mode = "amp" if cfg is None else "mesa"
+        row = gpu_row(args.memory_model, mode, "fp16", "fused", x, y, ns, config=cfg)
+        return "gpu peak MiB", row["peak_mib"]
+    batch = args.batch_size or 8
+    model = make_model(args.memory_model, "fused", "amp", 224)
+    if cfg is not None:
+        mesa_lite.wrap(model, cfg)
+    x = torch.randn(batch, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    kept = mesa_lite.report.saved_bytes(model, x, autocast=torch.bfloat16)
+    return "cpu kept-for-backward MiB", kept / MIB
+
+
+def _accuracy(cfg: mesa_lite.Config | None, args, device) -> list[float]:
+    data = accuracy.digits_data()
+    ns = argparse.Namespace(batch_size=32, lr=3e-3, weight_decay=0.05, epochs=args.epochs,
+                            amp_dtype="fp32" if device.type == "cpu" else "fp16")  # fmt: skip
+    accs = []
+    for seed in args.seeds:
+        torch.manual_seed(seed)
+        model = accuracy.digits_model(depth=2).to(device)
+        if cfg is not None:
+            mesa_lite.wrap(model, cfg)
+        torch.manual_seed(seed)
+        accs.append(accuracy.train_once(model, data, ns, seed, device)["test_acc"])
+    return accs
+
+
+def _grad_sqnr(cfg: mesa_lite.Config, args, device) -> tuple[float, float]:
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    size = 224 if device.type == "cuda" else 64
+    plain = make_model(args.memory_model, "fused", "amp", size).to(device)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 3, size, size, generator=g).to(device)
+    y = torch.randint(0, 1000, (8,), generator=g).to(device)
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+
+    def grads(model):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype):
+            F.cross_entropy(model(x), y).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ref = grads(plain)
+    torch.manual_seed(0)
+    got = grads(mesa_lite.wrap(copy.deepcopy(plain), cfg))
+    dbs = [grad_fidelity._sqnr(a, b) for a, b in zip(ref, got, strict=True)]
+    finite = [d for d in dbs if d != float("inf")] or [float("inf")]
+    return statistics.median(finite), min(finite)
+
+
+def pareto(rows: list[dict]) -> None:
+    """Marks rows no other row beats on both memory (lower) and accuracy (higher)."""
+    for r in rows:
+        r["pareto"] = not any(
+            o is not r
+            and float(o["memory_mib"]) <= float(r["memory_mib"])
+            and float(o["acc_mean"]) >= float(r["acc_mean"])
+            and (float(o["memory_mib"]), float(o["acc_mean"]))
+            != (float(r["memory_mib"]), float(r["acc_mean"]))
+            for o in rows
+        )
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for r in rows:
+        on = r["pareto"] in (True, "True")
+        ax.scatter(float(r["memory_mib"]), float(r["acc_mean"]), c="tab:red" if on else "tab:blue")
+        ax.annotate(f"{r['bits']}b g{r['group_size']} {r['rounding'][:4]} {r['layers']}",
+                    (float(r["memory_mib"]), float(r["acc_mean"])), fontsize=6)  # fmt: skip
+    front = [r for r in rows if r["pareto"] in (True, "True")]
+    front.sort(key=lambda r: float(r["memory_mib"]))
+    xs, ys = [float(r["memory_mib"]) for r in front], [float(r["acc_mean"]) for r in front]
+    ax.plot(xs, ys, "r--", lw=1)
+    if rows:
+        ax.axhline(float(rows[0]["plain_acc_mean"]), color="gray", lw=1, label="plain accuracy")
+        ax.axvline(float(rows[0]["plain_mib"]), color="gray", lw=1, ls=":", label="plain memory")
+        ax.set_xlabel(rows[0]["memory_kind"])
+    ax.set_ylabel("digits test accuracy % (mean over seeds)")
+    ax.legend(fontsize=7)
+    ax.set_title("mesa_lite: memory against accuracy (red: Pareto front)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> list[dict]:
+    from tqdm import tqdm
+
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    rows: list[dict] = []
+    if args.csv.exists():
+        with args.csv.open() as f:
+            rows = list(csv.DictReader(f))
+    done = {_key(r) for r in rows}
+    grid = [g for g in itertools.product(args.bits, args.group_sizes, args.rounding, args.layers)
+            if (g[1] % (8 // g[0]) == 0) and g not in done]  # fmt: skip
+    plain_kind, plain_mib = _memory(None, args, device) if grid else ("", 0.0)
+    plain_acc = statistics.mean(_accuracy(None, args, device)) if grid else 0.0
+    for bits, group_size, rounding, layers in tqdm(grid, desc="ablation", disable=not grid):
+        cfg = _config(bits, group_size, rounding, layers)
+        kind, mib = _memory(cfg, args, device)
+        accs = _accuracy(cfg, args, device)
+        med, low = _grad_sqnr(cfg, args, device)
+        rows.append({
+            "bits": bits, "group_size": group_size, "rounding": rounding, "layers": layers,
+            "memory_kind": kind, "memory_mib": mib, "plain_mib": plain_mib,
+            "memory_reduction": plain_mib / mib, "acc_mean": statistics.mean(accs),
+            "acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+            "plain_acc_mean": plain_acc, "grad_median_db": med, "grad_min_db": low,
+            "pareto": False,
+        })  # fmt: skip
+        pareto(rows)
+        args.csv.parent.mkdir(parents=True, exist_ok=True)
+        with args.csv.open("w", newline="") as f:  # rewritten after every row: resumable
+            w = csv.DictWriter(f, fieldnames=FIELDS)
+            w.writeheader()
+            w.writerows(rows)
+    if rows and not args.no_plot:
+        plot(rows, args.csv.with_suffix(".png"))
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
