@@ -23,20 +23,17 @@ from pathlib import Path
 
 import torch
 
-try:
-    from . import accuracy, grad_fidelity
-    from .common import MIB
-    from .deit_memory import gpu_row, make_model
-except ImportError:  # run as a script
-    import accuracy
-    import grad_fidelity
-    from common import MIB
-    from deit_memory import gpu_row, make_model
+if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
 
 import mesa_lite
 from mesa_lite.config import LAYER_KINDS
 
-RESULTS = Path(__file__).parent / "results"
+from . import accuracy, grad_fidelity
+from .common import MIB, RESULTS, argument_parser, pyplot, save_figure
+from .deit_memory import gpu_row, make_model
+
 LAYER_SETS = {
     "all": set(LAYER_KINDS),
     "no-attention": set(LAYER_KINDS) - {"attention", "softmax", "matmul"},
@@ -48,11 +45,7 @@ FIELDS = ["bits", "group_size", "rounding", "layers", "memory_kind", "memory_mib
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-    )
+    p = argument_parser(__doc__)
     p.add_argument("--bits", nargs="+", type=int, choices=[8, 4, 2], default=[8, 4, 2])
     p.add_argument("--group-sizes", nargs="+", type=int, default=[64, 128, 512])
     p.add_argument("--rounding", nargs="+", choices=["nearest", "stochastic", "default"],
@@ -152,10 +145,7 @@ def pareto(rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 5))
     for r in rows:
@@ -174,9 +164,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("digits test accuracy % (mean over seeds)")
     ax.legend(fontsize=7)
     ax.set_title("mesa_lite: memory against accuracy (red: Pareto front)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> list[dict]:

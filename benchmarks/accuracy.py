@@ -30,22 +30,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-try:
-    from .common import environment, markdown_table, write_jsonl
-except ImportError:  # run as a script
-    from common import environment, markdown_table, write_jsonl
+if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
 
 import mesa_lite
 
-RESULTS = Path(__file__).parent / "results"
+from .common import RESULTS, argument_parser, environment, markdown_table, write_jsonl
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-    )
+    p = argument_parser(__doc__)
     p.add_argument("--data-path", type=Path, default=None, help="ImageNet-layout folder")
     p.add_argument("--model", default=None, help="timm model name (with --data-path)")
     p.add_argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import platform
@@ -12,6 +13,33 @@ from pathlib import Path
 import torch
 
 MIB = 2**20
+RESULTS = Path(__file__).parent / "results"
+
+
+def argument_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser whose description is the script docstring's first paragraph and whose epilog
+    (shown by --help) is the rest of it."""
+    head, _, rest = doc.partition("\n\n")
+    return argparse.ArgumentParser(
+        description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    fig.clf()
+    pyplot().close(fig)
 
 
 def environment() -> dict:

@@ -31,12 +31,24 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-try:
-    from .common import MIB, StepTimer, environment, markdown_table, sync, write_jsonl
-except ImportError:  # run as a script
-    from common import MIB, StepTimer, environment, markdown_table, sync, write_jsonl
+if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
 
 import mesa_lite
+
+from .common import (
+    MIB,
+    RESULTS,
+    StepTimer,
+    argument_parser,
+    environment,
+    markdown_table,
+    pyplot,
+    save_figure,
+    sync,
+    write_jsonl,
+)
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 MODELS = ["deit_tiny_patch16_224", "deit_small_patch16_224", "deit_base_patch16_224"]
@@ -45,15 +57,10 @@ MODES = {
     "mesa": "mesa_lite (default Config)",
     "ckpt": "timm activation checkpointing",
 }
-RESULTS = Path(__file__).parent / "results"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-    )
+    p = argument_parser(__doc__)
     p.add_argument(
         "--models", nargs="+", default=None, metavar="NAME",
         help="timm model names (default: DeiT-Ti/S/B on a GPU, DeiT-Ti on CPU)",
@@ -223,10 +230,7 @@ def table(rows: list[dict], gpu: bool) -> str:
 
 
 def plot(rows: list[dict], path: Path, memory_key: str, memory_label: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.colors import to_rgba
 
     rows = [r for r in rows if "error" not in r]
@@ -247,9 +251,7 @@ def plot(rows: list[dict], path: Path, memory_key: str, memory_label: str) -> No
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     axes[0].legend(handles, [MODES[m] for m in colors], fontsize=8)
     axes[0].set_title(f"DeiT training, {rows[0]['device']}" if rows else "DeiT training")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> list[dict]:

@@ -21,24 +21,28 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-try:
-    from .common import environment, markdown_table, write_jsonl
-except ImportError:  # run as a script
-    from common import environment, markdown_table, write_jsonl
+if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
 
 import mesa_lite
 
-RESULTS = Path(__file__).parent / "results"
+from .common import (
+    RESULTS,
+    argument_parser,
+    environment,
+    markdown_table,
+    pyplot,
+    save_figure,
+    write_jsonl,
+)
+
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-    )
+    p = argument_parser(__doc__)
     models = ["deit_tiny_patch16_224", "deit_small_patch16_224"]
     p.add_argument(
         "--models", nargs="+", default=models + (["deit_base_patch16_224"] if gpu else [])
@@ -154,10 +158,7 @@ def summarize(rows: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def plot(by_block: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(8, 5))
     series: dict[tuple, list[dict]] = {}
@@ -170,9 +171,7 @@ def plot(by_block: list[dict], path: Path) -> None:
     ax.set_ylabel("median parameter-gradient SQNR (dB)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> dict:

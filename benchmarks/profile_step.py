@@ -8,15 +8,17 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-try:
-    from .deit_memory import DTYPES, _train_step, make_model
-except ImportError:  # run as a script
-    from deit_memory import DTYPES, _train_step, make_model
+if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
 
 from mesa_lite.kernels import group_quant as gq
+
+from .deit_memory import DTYPES, _train_step, make_model
 
 
 def launch_overhead_us(reps: int = 2000) -> dict:

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import torch
 
-try:
-    from .common import environment, markdown_table, write_jsonl
-except ImportError:  # run as a script
-    from common import environment, markdown_table, write_jsonl
+if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
 
 from mesa_lite.kernels import group_quant as gq
+
+from .common import environment, markdown_table, write_jsonl
 
 
 def _ms(fn, reps: int = 50) -> float:

@@ -24,17 +24,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
+
 import mesa_lite
+
+from .common import argument_parser
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
-    )
+    p = argument_parser(__doc__)
     p.add_argument("--model", default="deit_tiny_patch16_224", help="timm model name")
     p.add_argument("--data-path", type=Path, default=None, help="ImageNet-layout folder")
     p.add_argument(
