@@ -70,6 +70,23 @@ def _keep(x: torch.Tensor, spec: QuantSpec, signed: bool = True, share_key=None)
     return shared if shared is not None else quant.quantize(x, spec, signed)
 
 
+def _first_order_only(backward):
+    """Backward from compressed copies is not differentiable again: with ``create_graph=True``
+    (double backward) it would silently give wrong second-order gradients, so it raises."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "mesa_lite: double backward (create_graph=True) through compressed activations "
+                "is not supported; unwrap the model (mesa_lite.unwrap) or disable the layer "
+                "with Config(overrides={name: {'enabled': False}})"
+            )
+        return backward(ctx, *grads)
+
+    return wrapper
+
+
 # ---- Linear -----------------------------------------------------------------------------------
 
 
@@ -90,6 +107,7 @@ class LinearFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_first_order_only
     def backward(ctx, grad):
         px, weight = quant.load(ctx)
         w = _cast(weight, ctx.dtype)
@@ -122,6 +140,7 @@ class GELUFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_first_order_only
     def backward(ctx, grad):
         (px,) = quant.load(ctx)
         x = quant.dequantize(px)
@@ -144,6 +163,7 @@ class SoftmaxFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_first_order_only
     def backward(ctx, grad):
         (py,) = quant.load(ctx)
         y = quant.dequantize(py)
@@ -174,6 +194,7 @@ class LayerNormFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_first_order_only
     def backward(ctx, grad):
         px, mean, rstd, weight, bias = quant.load(ctx)
         if px.spec.exact:
@@ -210,6 +231,7 @@ class MatMulFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_first_order_only
     def backward(ctx, grad):
         pa, pb = quant.load(ctx)
         a_dims, b_dims = len(pa.shape), len(pb.shape)
@@ -307,6 +329,7 @@ class SDPAFn(torch.autograd.Function):
         return out
 
     @staticmethod
+    @_first_order_only
     def backward(ctx, grad):
         saved = quant.load(ctx)
         q, k, v, out = (_restore(p, o) for p, o in zip(saved[:4], ctx.orders, strict=True))
