@@ -44,7 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data-path", type=Path, default=None, help="ImageNet-layout folder")
     p.add_argument("--model", default=None, help="timm model name (with --data-path)")
     p.add_argument(
-        "--bits", nargs="+", type=int, choices=[8, 4, 2], default=[8, 4, 2],
+        "--bits", nargs="*", type=int, choices=[8, 4, 2], default=[8, 4, 2],
         help="mesa_lite widths to compare with plain AMP",
     )  # fmt: skip
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
@@ -59,6 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--config", default=None, help="extra mesa_lite.Config fields: key=value,...")
     p.add_argument("--out", type=Path, default=RESULTS / "accuracy_digits")
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="add 'plain perturbed': plain training from the initial weights times "
+        "(1 + 1e-6 N(0, 1)), the noise floor of a paired difference on this task",
+    )
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     if args.amp_dtype is None:
@@ -142,18 +148,26 @@ def run_digits(args) -> list[dict]:
     env = environment()
     extra = parse_config(args.config)
     configs = [("plain", None)] + [(f"mesa int{b}", b) for b in args.bits]
+    if args.control:
+        configs.append(("plain perturbed", "perturb"))
     rows = []
     for seed in args.seeds:
         torch.manual_seed(seed)
         init = digits_model(args.depth, args.embed_dim)  # every config starts from these
         for label, bits in configs:
             model = copy.deepcopy(init).to(device)
-            if bits is not None:
+            if bits == "perturb":
+                g = torch.Generator().manual_seed(20_000 + seed)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(1 + 1e-6 * torch.randn(p.shape, generator=g).to(p.device))
+            elif bits is not None:
                 mesa_lite.wrap(model, mesa_lite.Config(bits=bits, **extra))
             torch.manual_seed(seed)  # stochastic rounding draws, reproducible per run
             t0 = time.perf_counter()
             res = train_once(model, data, args, seed, device)
-            row = {"dataset": "digits", "config": label, "bits": bits, "seed": seed,
+            width = bits if isinstance(bits, int) else None
+            row = {"dataset": "digits", "config": label, "bits": width, "seed": seed,
                    "epochs": args.epochs, "amp": args.amp_dtype, "extra_config": extra,
                    "seconds": time.perf_counter() - t0, **res, **env}  # fmt: skip
             rows.append(row)
