@@ -27,7 +27,16 @@ setup(
         "triton>=3.0; platform_system == 'Linux' and platform_machine == 'x86_64'",
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6", "timm>=1.0", "torchvision", "scikit-learn>=1.0"],
+        "test": [
+            "pytest>=7",
+            "hypothesis>=6",
+            "timm>=1.0",
+            "torchvision",
+            "scikit-learn>=1.0",
+            # the benchmark scripts' tests draw their charts and progress bars
+            "matplotlib",
+            "tqdm",
+        ],
         "bench": ["timm>=1.0", "torchvision", "tqdm", "matplotlib", "scikit-learn>=1.0"],
         "dev": ["ruff>=0.4", "pytest>=7", "hypothesis>=6", "timm>=1.0", "torchvision"],
     },
