@@ -183,8 +183,8 @@ class LayerNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps: float, spec: QuantSpec):
         out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
-        if spec.exact:
-            p = quant.quantize(x, spec)
+        if spec.exact or not quant.compressible(x):
+            p = quant.quantize(x, spec)  # x itself (fp64 stays exact)
         else:
             p = quant.quantize((x.float() - mean) * rstd, spec)
         quant.save(ctx, p, mean, rstd, weight, bias)

@@ -20,6 +20,8 @@ a tensor that lives across steps would hand the same codes (and stochastic draw)
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import weakref
 
 import torch
@@ -97,14 +99,27 @@ def _prod(shape) -> int:
     return n
 
 
+def compressible(x: torch.Tensor) -> bool:
+    """fp32, fp16 and bf16 tensors are compressed; others (fp64) are kept exactly."""
+    return x.dtype in group_quant.SUPPORTED_DTYPES
+
+
+@functools.lru_cache(maxsize=64)
+def _exact(spec: QuantSpec) -> QuantSpec:
+    return dataclasses.replace(spec, exact=True)
+
+
 def quantize(x: torch.Tensor, spec: QuantSpec, signed: bool = True) -> Packed:
     """Compresses ``x`` as ``spec`` says (in its logical, row-major order).
 
     Args:
-        x: the tensor to keep (fp32, fp16 or bf16).
+        x: the tensor to keep. fp32, fp16 and bf16 are compressed; an fp64 tensor is kept
+            exactly (documented passthrough: fp64 training keeps its precision).
         spec: the layer's QuantSpec.
         signed: False for tensors known to be non-negative (unsigned codes, one more bit).
     """
+    if not spec.exact and not compressible(x):
+        spec = _exact(spec)
     if spec.exact:
         return Packed(x, None, x.shape, x.dtype, spec, signed)
     codes, scales = group_quant.quantize(

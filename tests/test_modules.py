@@ -254,3 +254,45 @@ def test_stochastic_rounding_module_grads_close():
     w_ref = ref.weight.grad.clone()
     mod(x).sum().backward()
     assert sqnr_db(w_ref, mod.weight.grad) >= INT8_SQNR_FLOOR_DB
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_fp64_is_an_exact_passthrough(name):
+    """fp64 training keeps its precision: nothing is compressed, gradients equal torch's."""
+    torch.manual_seed(0)
+    ref = MODULES[name]().double()
+    mod = mesa_lite.wrap(copy.deepcopy(ref))
+    x1 = torch.randn(3, 7, 96, dtype=torch.float64, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    y1, y2 = ref(x1), mod(x2)
+    assert_equal(y2, y1, "forward")
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    y2.backward(g)
+    assert_equal(x2.grad, x1.grad, "input grad")
+    for (n, p1), (_, p2) in zip(ref.named_parameters(), mod.named_parameters(), strict=True):
+        assert_equal(p2.grad, p1.grad, n)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_zero_size_batch(name, device):
+    _, mod = _pair(name, device, debug_exact=False)
+    x = torch.randn(0, 7, 96, device=device, requires_grad=True)
+    y = mod(x)
+    assert y.shape[0] == 0
+    y.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+def test_channels_last_and_strided_inputs():
+    torch.manual_seed(0)
+    ref = nn.Linear(8, 5)
+    mod = mesa_lite.wrap(copy.deepcopy(ref))
+    # channels_last storage seen as NCHW, moved to (N, W, H, C): strided, not contiguous
+    x = torch.randn(2, 8, 6, 6).to(memory_format=torch.channels_last).permute(0, 3, 2, 1)
+    assert not x.is_contiguous()
+    x1, x2 = x.detach().clone().requires_grad_(), x.detach().clone().requires_grad_()
+    assert_equal(mod(x2), ref(x1), "forward on a strided input")
+    ref(x1).sum().backward()
+    mod(x2).sum().backward()
+    assert sqnr_db(ref.weight.grad, mod.weight.grad) > 30
