@@ -257,18 +257,13 @@ class MatMulFn(torch.autograd.Function):
 
 # ---- fused attention (F.scaled_dot_product_attention) --------------------------------------
 
-SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN = 1, 2, 3  # torch.nn.attention.SDPBackend values
-
-
-def _memory_order(t: torch.Tensor) -> tuple[int, ...]:
-    """The dims of ``t`` from outermost to innermost in memory (sorted by stride)."""
-    return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d])))
+SDPA_FLASH, SDPA_CUDNN = 1, 3  # torch.nn.attention.SDPBackend values
 
 
 def _keep_in_memory_order(t: torch.Tensor, spec: QuantSpec) -> tuple[quant.Packed, tuple]:
     """Quantizes ``t`` in its memory order (no copy when it is dense), so that backward can
     rebuild a tensor with the same stride order (cuDNN's backward expects it)."""
-    order = _memory_order(t)
+    order = quant.memory_order(t)
     return quant.quantize(t.permute(order), spec), order
 
 

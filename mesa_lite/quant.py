@@ -68,12 +68,18 @@ class Packed:
         """Everything but codes, scales and aux, to rebuild with ``Packed(c, s, *meta)``."""
         return (self.shape, self.dtype, self.spec, self.signed, self.recipe)
 
-    def derived(self, recipe, aux=(), shape=None) -> Packed:
+    def derived(self, recipe, aux=()) -> Packed:
         """The same codes, rebuilding another tensor through ``recipe``."""
         return Packed(
-            self.codes, self.scales, self.shape if shape is None else shape, self.dtype,
-            self.spec, self.signed, recipe, tuple(aux),
-        )  # fmt: skip
+            self.codes,
+            self.scales,
+            self.shape,
+            self.dtype,
+            self.spec,
+            self.signed,
+            recipe,
+            tuple(aux),
+        )
 
     def nbytes(self) -> int:
         n = self.codes.numel() * self.codes.element_size()
@@ -191,13 +197,13 @@ def _owner(t: torch.Tensor) -> torch.Tensor:
     return t._base if t._base is not None else t
 
 
-def _memory_order(t: torch.Tensor) -> tuple[int, ...]:
+def memory_order(t: torch.Tensor) -> tuple[int, ...]:
     """The dims of ``t`` from outermost to innermost in memory (sorted by stride)."""
     return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d])))
 
 
 def _dense(t: torch.Tensor) -> bool:
-    return t.permute(_memory_order(t)).is_contiguous()
+    return t.permute(memory_order(t)).is_contiguous()
 
 
 def share(x: torch.Tensor, p: Packed, memory_order: bool = False) -> None:
