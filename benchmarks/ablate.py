@@ -107,8 +107,6 @@ def _accuracy(cfg: mesa_lite.Config | None, args, device) -> list[float]:
 
 
 def _grad_sqnr(cfg: mesa_lite.Config, args, device) -> tuple[float, float]:
-    import torch.nn.functional as F
-
     torch.manual_seed(0)
     size = 224 if device.type == "cuda" else 64
     plain = make_model(args.memory_model, "fused", "amp", size).to(device)
@@ -117,16 +115,10 @@ def _grad_sqnr(cfg: mesa_lite.Config, args, device) -> tuple[float, float]:
     y = torch.randint(0, 1000, (8,), generator=g).to(device)
     dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
 
-    def grads(model):
-        model.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=dtype):
-            F.cross_entropy(model(x), y).backward()
-        return [p.grad.clone() for p in model.parameters()]
-
-    ref = grads(plain)
+    _, ref = grad_fidelity._grads(plain, x, y, dtype)
     torch.manual_seed(0)
-    got = grads(mesa_lite.wrap(copy.deepcopy(plain), cfg))
-    dbs = [grad_fidelity._sqnr(a, b) for a, b in zip(ref, got, strict=True)]
+    _, got = grad_fidelity._grads(mesa_lite.wrap(copy.deepcopy(plain), cfg), x, y, dtype)
+    dbs = [grad_fidelity._sqnr(ref[n], got[n]) for n in ref]
     finite = [d for d in dbs if d != float("inf")] or [float("inf")]
     return statistics.median(finite), min(finite)
 

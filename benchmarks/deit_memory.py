@@ -147,55 +147,58 @@ def _train_step(model, opt, scaler, x, y, dtype):
     return loss
 
 
+def _timed_steps(model, x, y, dtype, args, before_measuring=None) -> dict:
+    """AdamW steps: ``args.warmup`` untimed, then ``args.steps`` timed; a row's time fields.
+
+    ``before_measuring`` runs between the two (the GPU row resets its peak there, once the
+    optimizer state exists).
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
+    scaler = torch.amp.GradScaler(x.device.type, enabled=x.is_cuda and dtype == torch.float16)
+    for _ in range(args.warmup):
+        _train_step(model, opt, scaler, x, y, dtype)
+    if before_measuring is not None:
+        before_measuring()
+    timer = StepTimer(x.device)
+    for _ in range(args.steps):
+        with timer:
+            loss = _train_step(model, opt, scaler, x, y, dtype)
+    return {
+        "step_ms": timer.median_ms(),
+        "images_per_s": x.shape[0] / timer.median_ms() * 1e3,
+        "final_loss": float(loss.detach()),
+    }
+
+
 def gpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None) -> dict:
-    dtype = DTYPES[dtype_name]
     device = x.device
     # what is allocated before the row starts (the inputs only, if earlier rows freed all)
     before = torch.cuda.memory_allocated(device)
     model = make_model(name, attention, mode, args.img_size, bits, config).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
-    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
-    for _ in range(args.warmup):
-        _train_step(model, opt, scaler, x, y, dtype)
-    sync(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    static = torch.cuda.memory_allocated(device)
-    timer = StepTimer(device)
-    for _ in range(args.steps):
-        with timer:
-            loss = _train_step(model, opt, scaler, x, y, dtype)
+    static = []
+
+    def start():
+        sync(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        static.append(torch.cuda.memory_allocated(device))
+
+    times = _timed_steps(model, x, y, DTYPES[dtype_name], args, start)
     peak = torch.cuda.max_memory_allocated(device)
-    row = {
+    del model
+    return {
         "peak_mib": peak / MIB,
-        "static_mib": static / MIB,
-        "activation_mib": (peak - static) / MIB,
-        "step_ms": timer.median_ms(),
-        "images_per_s": x.shape[0] / timer.median_ms() * 1e3,
-        "final_loss": float(loss.detach()),
+        "static_mib": static[0] / MIB,
+        "activation_mib": (peak - static[0]) / MIB,
+        **times,
         "allocated_before_row_mib": before / MIB,
     }
-    del model, opt, scaler
-    return row
 
 
 def cpu_row(name, mode, dtype_name, attention, x, y, args, bits=8) -> dict:
     dtype = DTYPES[dtype_name]
     model = make_model(name, attention, mode, args.img_size, bits)
     kept = mesa_lite.report.saved_bytes(model, x, autocast=dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    for _ in range(args.warmup):
-        _train_step(model, opt, scaler, x, y, dtype)
-    timer = StepTimer(x.device)
-    for _ in range(args.steps):
-        with timer:
-            loss = _train_step(model, opt, scaler, x, y, dtype)
-    return {
-        "kept_for_backward_mib": kept / MIB,
-        "step_ms": timer.median_ms(),
-        "images_per_s": x.shape[0] / timer.median_ms() * 1e3,
-        "final_loss": float(loss.detach()),
-    }
+    return {"kept_for_backward_mib": kept / MIB, **_timed_steps(model, x, y, dtype, args)}
 
 
 def add_ratios(rows: list[dict], memory_key: str) -> None:
