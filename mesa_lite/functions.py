@@ -257,7 +257,7 @@ class MatMulFn(torch.autograd.Function):
 
 # ---- fused attention (F.scaled_dot_product_attention) --------------------------------------
 
-SDPA_FLASH, SDPA_CUDNN = 1, 3  # torch.nn.attention.SDPBackend values
+SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN = 1, 2, 3  # torch.nn.attention.SDPBackend values
 
 
 def _keep_in_memory_order(t: torch.Tensor, spec: QuantSpec) -> tuple[quant.Packed, tuple]:
@@ -276,7 +276,8 @@ def _restore(p: quant.Packed, order: tuple) -> torch.Tensor:
 
 class SDPAFn(torch.autograd.Function):
     """``F.scaled_dot_product_attention`` through the fused backend PyTorch picked (CPU flash,
-    CUDA flash or cuDNN), keeping q, k, v and the output compressed and the fp32 logsumexp.
+    CUDA flash, memory-efficient or cuDNN), keeping q, k, v and the output compressed and the
+    fp32 logsumexp.
     q and k are kept at 8 bits whatever the spec's width; v and the output at the spec's.
 
     Backward dequantizes them in their forward stride order and calls the backend's own
@@ -305,6 +306,11 @@ class SDPAFn(torch.autograd.Function):
             out, lse, cum_q, cum_k, max_q, max_k, seed, offset = res[:8]
             extra = (cum_q, cum_k, seed, offset)
             ctx.max_qk = (max_q, max_k)
+        elif backend == SDPA_EFFICIENT:
+            out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, dropout_p, is_causal, scale=scale
+            )
+            extra = (seed, offset)
         else:
             raise ValueError(f"mesa_lite SDPAFn: backend {backend} is not supported")
         # q and k at 8 bits even when the spec asks for fewer: backward rebuilds the attention
@@ -335,6 +341,13 @@ class SDPAFn(torch.autograd.Function):
             gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad, q, k, v, out, lse, dropout_p, is_causal, attn_mask=None, scale=scale
             )
+        elif backend == SDPA_EFFICIENT:
+            seed, offset = saved[5:7]
+            mask = [*ctx.needs_input_grad[:3], False]
+            gq, gk, gv, _ = aten._scaled_dot_product_efficient_attention_backward(
+                grad, q, k, v, None, out, lse, seed, offset, dropout_p, mask, is_causal,
+                scale=scale,
+            )  # fmt: skip
         else:
             cum_q, cum_k, seed, offset = saved[5:9]
             max_q, max_k = ctx.max_qk

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from mesa_lite.config import QuantSpec
 from mesa_lite.functions import (
     SDPA_CUDNN,
+    SDPA_EFFICIENT,
     SDPA_FLASH,
     GELUFn,
     LayerNormFn,
@@ -126,8 +127,8 @@ def scaled_dot_product_attention(
     """``F.scaled_dot_product_attention`` keeping q, k, v and the output compressed.
 
     Runs the fused backend PyTorch itself picks for these inputs (so the output is
-    bit-identical): CPU flash attention, or CUDA flash / cuDNN attention. Where PyTorch would
-    pick another backend (the math path, memory-efficient attention) or an ``attn_mask`` is
+    bit-identical): CPU flash attention, or CUDA flash, memory-efficient or cuDNN attention.
+    Where PyTorch would pick the math path or an ``attn_mask`` is
     given, the call runs as plain PyTorch, uncompressed, with a one-time warning.
     """
     if spec is None or not _needs_grad(q, k, v):
@@ -137,9 +138,8 @@ def scaled_dot_product_attention(
     dtype = compute_dtype("sdpa", q.device, q.dtype)
     q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
     backend = _sdpa_backend(q, k, v, dropout_p, is_causal, scale) if attn_mask is None else -1
-    supported = (
-        backend == SDPA_FLASH if q.device.type == "cpu" else backend in (SDPA_FLASH, SDPA_CUDNN)
-    )
+    fused = (SDPA_FLASH,) if q.device.type == "cpu" else (SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN)
+    supported = backend in fused
     if not supported:
         why = "an attn_mask" if attn_mask is not None else f"SDPA backend {backend}"
         _warn_once(
