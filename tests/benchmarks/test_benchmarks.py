@@ -138,3 +138,28 @@ def test_ablation_rows_pareto_and_resume(tmp_path):
     assert len(again) == 2 and [float(r["memory_mib"]) for r in again] == pytest.approx(
         [r8["memory_mib"], r2["memory_mib"]]
     )
+
+
+def test_peak_memory_replay_finds_the_live_set_at_the_peak():
+    """The allocator-trace replay of peak_memory.py on a hand-made trace (the GPU run itself is
+    quoted in benchmarks/results/peak_memory_gpu.md)."""
+    from benchmarks import peak_memory
+
+    ours = [{"filename": "/x/site-packages/mesa_lite/functions.py", "line": 7, "name": "forward"}]
+    timm_frame = [{"filename": "/x/timm/layers/mlp.py", "line": 48, "name": "forward"}]
+    trace = [
+        {"action": "free_completed", "addr": 900, "size": 50},  # a block from before the step
+        {"action": "alloc", "addr": 1, "size": 100, "frames": ours},
+        {"action": "alloc", "addr": 2, "size": 30, "frames": timm_frame},
+        {"action": "free_completed", "addr": 2, "size": 30},
+        {"action": "alloc", "addr": 3, "size": 40, "frames": []},
+        {"action": "alloc", "addr": 4, "size": 5, "frames": ours},  # the peak: 100+40+5-50
+        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 5, "size": 60, "frames": timm_frame},
+    ]
+    peak, freed_before, live = peak_memory.live_at_peak(trace)
+    assert (peak, freed_before) == (95, 50)
+    assert sorted(live) == [1, 3, 4]
+    assert live[1] == (100, "mesa_lite/functions.py:7 forward")
+    assert live[3][1].startswith("autograd engine")
+    assert peak_memory.frame_label(timm_frame) == "timm/layers/mlp.py:48 forward"
