@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session: the whole test suite with compiled Triton kernels, then the benchmarks.
+# One GPU session: the kernel and CUDA tests with compiled Triton kernels, then the benchmarks.
 # Used through the device tool; writes logs and results under $OUT (default ./out).
 #   bash benchmarks/run_h200.sh [tests|bench|fidelity|all] [extra deit_memory args...]
 # e.g. the memory matrix with 8- and 4-bit rows, fp16 only:
@@ -14,8 +14,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -c "import torch, triton, timm; print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__)" | tee -a "$OUT/gpu.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i "warning" || true
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -q -p no:warnings -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.txt"
-  python3 -m pytest -q -s -p no:warnings -p no:cacheprovider tests/models -k cuda 2>&1 | grep -E "dB|MiB|passed|failed" | tee "$OUT/deit_cuda.txt"
+  # kernel tests are dominated by Triton compiles: four processes, split by dtype
+  for k in "float32" "float16 and not bfloat16" "bfloat16" "not float32 and not float16"; do
+    python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/kernels -k "$k" \
+      > "$OUT/pytest_kernels_${k// /_}.txt" 2>&1 &
+  done
+  wait
+  tail -n 1 "$OUT"/pytest_kernels_*.txt
+  # every CUDA-parametrized test, the 1,000-step memory run and the DeiT-Tiny CUDA checks
+  python3 -m pytest -q -s -p no:warnings -p no:cacheprovider tests --ignore=tests/kernels -k cuda \
+    2>&1 | tee "$OUT/pytest_cuda.txt" | grep -E "dB|MiB|passed|failed"
 fi
 if [[ $what == fidelity || $what == all ]]; then
   python3 benchmarks/grad_fidelity.py --models deit_small_patch16_224 --dtype fp16 --no-plot \
@@ -24,4 +32,6 @@ fi
 if [[ $what == bench || $what == all ]]; then
   python3 benchmarks/quant_bandwidth.py --out "$OUT/quant_bandwidth_gpu" 2>&1 | tail -8
   python3 benchmarks/deit_memory.py --out "$OUT/deit_memory_gpu" "$@" 2>&1 | tee "$OUT/deit_memory_log.txt"
+  python3 benchmarks/peak_memory.py --attention fused explicit --bits 8 4 --out "$OUT/peak_memory_gpu" \
+    > "$OUT/peak_memory_log.txt" 2>&1
 fi
