@@ -5,7 +5,8 @@ For every config of the grid (bits x group size x rounding x which layer kinds) 
              DeiT forward keeps for backward (CPU), with the plain model's figure beside it;
   accuracy   test accuracy on scikit-learn's digits (``accuracy``), mean over ``--seeds``;
   gradients  median parameter-gradient SQNR on DeiT (``grad_fidelity``).
-Rows already in the CSV are skipped, so an interrupted sweep resumes where it stopped.
+Rows already in the CSV are skipped, so an interrupted sweep resumes where it stopped; CSVs of
+sweeps run in parallel can be concatenated (one header) and passed as --csv to redraw the front.
 
     python benchmarks/ablate.py                               # the default grid
     python benchmarks/ablate.py --bits 8 4 --group-sizes 32 128 --layers all no-attention
@@ -159,6 +160,16 @@ def plot(rows: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
+def write_csv(rows: list[dict], path: Path) -> None:
+    """Marks the Pareto front over all rows and writes them."""
+    pareto(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+
+
 def main(argv=None) -> list[dict]:
     from tqdm import tqdm
 
@@ -186,12 +197,9 @@ def main(argv=None) -> list[dict]:
             "plain_acc_mean": plain_acc, "grad_median_db": med, "grad_min_db": low,
             "pareto": False,
         })  # fmt: skip
-        pareto(rows)
-        args.csv.parent.mkdir(parents=True, exist_ok=True)
-        with args.csv.open("w", newline="") as f:  # rewritten after every row: resumable
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(rows, args.csv)  # rewritten after every row: resumable
+    if rows:
+        write_csv(rows, args.csv)  # the front again: rows may come from several merged sweeps
     if rows and not args.no_plot:
         plot(rows, args.csv.with_suffix(".png"))
     return rows

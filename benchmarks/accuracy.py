@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import statistics
 import sys
@@ -65,6 +66,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="add 'plain perturbed': plain training from the initial weights times "
         "(1 + 1e-6 N(0, 1)), the noise floor of a paired difference on this task",
     )
+    p.add_argument(
+        "--from-jsonl", nargs="+", type=Path, default=None, metavar="FILE",
+        help="train nothing: summarize the runs in these JSON-lines files (e.g. seeds run in "
+        "parallel processes) into --out",
+    )  # fmt: skip
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     if args.amp_dtype is None:
@@ -169,7 +175,9 @@ def run_digits(args) -> list[dict]:
             width = bits if isinstance(bits, int) else None
             row = {"dataset": "digits", "config": label, "bits": width, "seed": seed,
                    "epochs": args.epochs, "amp": args.amp_dtype, "extra_config": extra,
-                   "seconds": time.perf_counter() - t0, **res, **env}  # fmt: skip
+                   "depth": args.depth, "embed_dim": args.embed_dim, "lr": args.lr,
+                   "batch_size": args.batch_size, "seconds": time.perf_counter() - t0, **res,
+                   **env}  # fmt: skip
             rows.append(row)
             if not args.quiet:
                 msg = f"seed {seed} {label:10s} test acc {res['test_acc']:.2f}%  "
@@ -179,7 +187,8 @@ def run_digits(args) -> list[dict]:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Mean, spread and the paired difference to plain, per configuration."""
+    """Mean, spread and the paired difference to plain, per configuration; ``diff_ci95`` is
+    1.96 standard errors of the mean paired difference (normal approximation)."""
     by_cfg: dict[str, dict[int, float]] = {}
     for r in rows:
         by_cfg.setdefault(r["config"], {})[r["seed"]] = r["test_acc"]
@@ -193,6 +202,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             "std_acc": statistics.stdev(vals) if len(vals) > 1 else 0.0,
             "min_acc": min(vals), "max_acc": max(vals),
             "mean_diff_vs_plain": statistics.mean(diffs) if diffs else None,
+            "diff_ci95": 1.96 * statistics.stdev(diffs) / math.sqrt(len(diffs))
+            if len(diffs) > 1 else None,
             "worst_diff_vs_plain": min(diffs) if diffs else None,
         })  # fmt: skip
     return out
@@ -202,7 +213,16 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.data_path is not None:
         return run_imagenet(args)
-    rows = run_digits(args)
+    if args.from_jsonl:
+        rows = [json.loads(line) for f in args.from_jsonl for line in f.read_text().splitlines()]
+        if not rows:
+            raise SystemExit("--from-jsonl: the files hold no runs")
+        for key in ("depth", "embed_dim", "lr", "batch_size", "epochs"):
+            setattr(args, key, rows[0].get(key, "?"))
+        args.amp_dtype = rows[0]["amp"]
+        args.seeds = sorted({r["seed"] for r in rows})
+    else:
+        rows = run_digits(args)
     summary = summarize(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_jsonl(args.out.with_suffix(".jsonl"), rows)
@@ -210,18 +230,26 @@ def main(argv=None) -> dict:
     head = (
         f"Test accuracy on scikit-learn digits (360 test images), ViT {args.depth}x"
         f"{args.embed_dim}, {args.epochs} epochs, lr {args.lr}, batch {args.batch_size}, "
-        f"{args.amp_dtype} autocast, seeds {args.seeds} (paired: same init and batch order), "
-        f"{env['device']}, torch {env['torch']}, timm {env['timm']}, {env['date']}.\n\n"
+        f"{args.amp_dtype} autocast, {len(args.seeds)} seeds {_seed_text(args.seeds)} (paired: "
+        f"same init and batch order), {env['device']}, torch {env['torch']}, "
+        f"timm {env['timm']}, {env['date']}.\n\n"
     )
     cols = [("config", "config", "s"), ("runs", "runs", "d"), ("mean_acc", "mean acc %", ".2f"),
             ("std_acc", "std", ".2f"), ("min_acc", "min", ".2f"), ("max_acc", "max", ".2f"),
             ("mean_diff_vs_plain", "mean diff vs plain (points)", "+.2f"),
+            ("diff_ci95", "+- 1.96 s.e.", ".2f"),
             ("worst_diff_vs_plain", "worst paired diff", "+.2f")]  # fmt: skip
     text = head + markdown_table(summary, cols) + "\n"
     args.out.with_suffix(".md").write_text(text)
     print()
     print(text)
     return {"rows": rows, "summary": summary}
+
+
+def _seed_text(seeds: list[int]) -> str:
+    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return str(seeds)
 
 
 def run_imagenet(args) -> dict:
