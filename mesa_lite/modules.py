@@ -43,7 +43,15 @@ __all__ = [
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    """The compressed path applies: grad mode on, some tensor needs grad, and all are floating
+    point (integer or complex inputs run the plain op, so they fail or work exactly as in
+    torch)."""
+    given = [t for t in tensors if t is not None]
+    return (
+        torch.is_grad_enabled()
+        and any(t.requires_grad for t in given)
+        and all(t.is_floating_point() for t in given)
+    )
 
 
 class MesaModule:
