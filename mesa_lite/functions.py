@@ -90,6 +90,18 @@ def _first_order_only(backward):
 # ---- Linear -----------------------------------------------------------------------------------
 
 
+def _folded_col_major(x: torch.Tensor) -> bool:
+    """Whether the 2-D matrix torch's linear multiplies for ``x`` (``x`` itself, or a contiguous
+    ``x`` folded to (-1, in_features)) is column-major, as torch's mm backward tests it."""
+    if x.dim() == 2:
+        s0, s1, rows = x.stride(0), x.stride(1), x.shape[0]
+    elif x.dim() > 2 and x.is_contiguous():
+        s0, s1, rows = x.shape[-1], 1, x.numel() // max(x.shape[-1], 1)
+    else:
+        return False
+    return s0 == 1 and s1 == rows
+
+
 class LinearFn(torch.autograd.Function):
     """``F.linear`` keeping the compressed input; the weight is kept as the Parameter itself and
     cast again in backward, so no low-precision copy of it outlives the forward.
@@ -104,6 +116,7 @@ class LinearFn(torch.autograd.Function):
         quant.save(ctx, _keep(x, spec, share_key=shares[0]), weight)
         ctx.dtype = dtype
         ctx.has_bias = bias is not None
+        ctx.x_col_major = _folded_col_major(x)
         return out
 
     @staticmethod
@@ -114,7 +127,9 @@ class LinearFn(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = (g2 @ w).view(*grad.shape[:-1], w.shape[1])
+            # as torch's mm backward: a column-major input gets its gradient computed transposed
+            gx = (w.t() @ g2.t()).t() if ctx.x_col_major else g2 @ w
+            grad_x = gx.reshape(*grad.shape[:-1], w.shape[1])
         if ctx.needs_input_grad[1]:
             x2 = quant.dequantize(px, ctx.dtype).reshape(-1, px.shape[-1])
             grad_w = (g2.t() @ x2).to(weight.dtype)
@@ -200,7 +215,10 @@ class LayerNormFn(torch.autograd.Function):
         if px.spec.exact:
             x = quant.dequantize(px)
         else:  # x = x_hat / rstd + mean
-            x = (quant.dequantize(px, torch.float32) / rstd + mean).to(ctx.x_dtype)
+            x = quant.dequantize(px, torch.float32) / rstd + mean
+            # rstd is 0 where the variance overflowed (|x| ~ 1e19 in fp32): torch's gradient
+            # is 0 there whatever x is, and 0 / 0 must not turn it into NaN
+            x = torch.where(rstd == 0, mean, x).to(ctx.x_dtype)
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
         gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
             grad.contiguous(), x, ctx.normalized_shape, mean, rstd, weight, bias, mask
