@@ -8,6 +8,8 @@ being its group's absmax / qmax), not a fixed tolerance:
   GELU       dx = g gelu'(x):                   |dx' - dx| <= |g| max|gelu''| d
   Softmax    dx = y (g - sum(g y)):             |dx' - dx| <= d (|g| + |s|) + (y + d) sum(|g| d)
   LayerNorm  x_hat kept: the same kind of bound through its backward formula (see the test)
+  MatMul     grad_a = g b^T, grad_b = a^T g:    each within |g| times the other's half steps
+  attention  error 20 dB below each gradient's natural scale (no closed elementwise form)
 with d the per-element half step of what is kept, plus fp32 rounding terms. Non-finite inputs
 (inf, NaN at random places) give non-finite gradients exactly when torch's do.
 """
@@ -23,10 +25,10 @@ from conftest import assert_equal
 from mesa_lite.kernels import group_quant as gq
 
 import mesa_lite
-from mesa_lite import Config
+from mesa_lite import Config, QuantSpec
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 SETTINGS = settings(
@@ -152,6 +154,14 @@ def test_softmax_grad_within_quantization_bound(data):
 
 @SETTINGS
 @given(data=inputs(last_min=2), affine=st.booleans())
+@example(  # fp32 variance overflows to inf: torch's rstd is 0 and its gradient 0, not NaN
+    data=(
+        torch.tensor([[1.5e19, -2.9e18, -2.2e19, 5.7e18, -1.1e19, -1.4e19, 4e18, 8.4e18]]),
+        0,
+        32,
+    ),
+    affine=False,
+)
 def test_layernorm_grads_within_quantization_bound(data, affine):
     """LayerNorm keeps x_hat = (x - mean) * rstd (fp32) and rebuilds x from it; with d the
     half step of x_hat (plus the rounding of that rebuild), m = mean(g w x_hat) and
@@ -225,3 +235,81 @@ def test_non_finite_inputs_give_non_finite_grads_as_torch(data, where, name):
         torch.isfinite(p.grad).all() for p in mod.parameters()
     )
     assert bool(finite_mod) == bool(finite_ref), (finite_ref, finite_mod)
+
+
+@SETTINGS
+@given(
+    a_data=inputs(dtypes=(torch.float32,)),
+    inner_cols=st.integers(1, 40),
+    b_exp=st.integers(-30, 30),
+)
+def test_matmul_grads_within_quantization_bound(a_data, inner_cols, b_exp):
+    """a @ b with both kept: grad_a = g b^T and grad_b = a^T g, each off by at most the half
+    steps of the other operand, multiplied through |g|."""
+    a, seed, group = a_data
+    gen = torch.Generator().manual_seed(seed + 2)
+    b = torch.randn(a.shape[-1], inner_cols, generator=gen, dtype=torch.float64)
+    b = (b * 10.0**b_exp).float()
+    spec = QuantSpec(group_size=group)
+    a1, b1 = a.clone().requires_grad_(), b.clone().requires_grad_()
+    a2, b2 = a.clone().requires_grad_(), b.clone().requires_grad_()
+    y1, y2 = torch.matmul(a1, b1), mesa_lite.modules.matmul(a2, b2, spec)
+    assert type(y2.grad_fn).__name__ == "MatMulFnBackward"
+    assert_equal(y2, y1, "forward")
+    g = torch.randn(y1.shape, generator=gen)
+    y1.backward(g)
+    y2.backward(g)
+    gd = g.double().abs()
+    da, db = _half_step(a, group, signed=True), _half_step(b, group, signed=True)
+    bound_a = gd @ db.t() + 1e-5 * (gd @ b.double().abs().t())
+    _assert_within(a2.grad, a1.grad, bound_a)
+    g2, a2d, da2 = gd.reshape(-1, inner_cols), a.double().abs(), da
+    bound_b = da2.reshape(-1, a.shape[-1]).t() @ g2 + 1e-5 * (a2d.reshape(-1, a.shape[-1]).t() @ g2)
+    _assert_within(b2.grad, b1.grad, bound_b)
+
+
+@SETTINGS
+@given(
+    shape=st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(1, 40)),
+    head_dim=st.sampled_from([8, 16, 32, 64]),
+    qk_exp=st.floats(-2, 0.0),
+    v_exp=st.integers(-20, 20),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_attention_forward_exact_and_grads_close(shape, head_dim, qk_exp, v_exp, causal, seed):
+    """Fused attention (CPU flash): forward bit-exact for any scales; each gradient's error at
+    least 20 dB below its natural scale, the size it would have without the cancellation in
+    dS = P (dP - D) (q, k kept at 8 bits, v and the output too). q and k entries are drawn up
+    to size 1 (logits of standard deviation up to 1); an 8-bit error in q or k moves a logit by
+    about |q|max |k| sqrt(d) scale / 254, which grows with larger logits (RELIABILITY.md)."""
+    batch, heads, n = shape
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(batch, heads, n, head_dim, generator=gen) * 10**qk_exp for _ in range(2))
+    v = torch.randn(batch, heads, n, head_dim, generator=gen) * 10.0**v_exp
+    ins1 = [t.clone().requires_grad_() for t in (q, k, v)]
+    ins2 = [t.clone().requires_grad_() for t in (q, k, v)]
+    y1 = torch.nn.functional.scaled_dot_product_attention(*ins1, is_causal=causal)
+    y2 = mesa_lite.modules.scaled_dot_product_attention(*ins2, is_causal=causal, spec=QuantSpec())
+    assert type(y2.grad_fn).__name__ == "SDPAFnBackward"
+    assert_equal(y2, y1, "forward")
+    g = torch.randn(y1.shape, generator=gen)
+    y1.backward(g)
+    y2.backward(g)
+    qd, kd, vd, gd = q.double(), k.double(), v.double(), g.double()
+    scale = head_dim**-0.5
+    logits = qd @ kd.transpose(-1, -2) * scale
+    if causal:
+        logits = logits.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+    p = logits.softmax(-1)
+    dp = gd @ vd.transpose(-1, -2)
+    big_d = (gd * (p @ vd)).sum(-1, keepdim=True)
+    w = p * (dp.abs() + big_d.abs())
+    natural = {
+        "q": scale * w @ kd.abs(),
+        "k": scale * w.transpose(-1, -2) @ qd.abs(),
+        "v": p.transpose(-1, -2) @ gd.abs(),
+    }
+    for what, a, b in zip("qkv", ins1, ins2, strict=True):
+        err = (a.grad.double() - b.grad.double()).norm()
+        assert err <= 0.1 * natural[what].norm() + 1e-30, what

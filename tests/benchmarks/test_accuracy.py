@@ -34,3 +34,34 @@ def test_digits_split_is_fixed_and_stratified():
     assert counts.min() >= 35 and counts.max() <= 37, counts  # stratified: ~36 per class
     again = accuracy.digits_data()
     assert (again[1] == y_tr).all() and (again[3] == y_te).all()
+
+
+def test_summary_merges_parallel_run_files(tmp_path):
+    """--from-jsonl: runs of different seeds from separate files give one paired summary."""
+    import json
+    import math
+
+    def row(config, seed, acc):
+        return {"config": config, "seed": seed, "test_acc": acc, "amp": "fp16", "epochs": 3,
+                "depth": 2, "embed_dim": 32, "lr": 1e-3, "batch_size": 8, "device": "d",
+                "torch": "t", "timm": "m", "date": "x"}  # fmt: skip
+
+    plain = {0: 90.0, 1: 92.0, 2: 94.0}
+    int8 = {0: 89.0, 1: 92.5, 2: 93.0}
+    files = []
+    for seed in plain:
+        f = tmp_path / f"s{seed}.jsonl"
+        f.write_text("\n".join(json.dumps(r) for r in
+                               (row("plain", seed, plain[seed]), row("mesa int8", seed, int8[seed]))))  # fmt: skip
+        files.append(str(f))
+    out = tmp_path / "merged"
+    res = accuracy.main(["--from-jsonl", *files, "--out", str(out)])
+    s = {x["config"]: x for x in res["summary"]}
+    diffs = [-1.0, 0.5, -1.0]
+    assert s["mesa int8"]["runs"] == 3
+    assert s["mesa int8"]["mean_diff_vs_plain"] == pytest.approx(sum(diffs) / 3)
+    sd = math.sqrt(sum((d - sum(diffs) / 3) ** 2 for d in diffs) / 2)
+    assert s["mesa int8"]["diff_ci95"] == pytest.approx(1.96 * sd / math.sqrt(3))
+    text = out.with_suffix(".md").read_text()
+    assert "3 seeds 0-2" in text and "fp16 autocast" in text
+    assert len(out.with_suffix(".jsonl").read_text().splitlines()) == 6
