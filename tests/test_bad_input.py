@@ -20,18 +20,19 @@ MODULES = {
 }
 
 
-def _pair(name):
+def _pair(name, device="cpu"):
     torch.manual_seed(0)
-    ref = MODULES[name]()
+    ref = MODULES[name]().to(device)
     return ref, mesa_lite.wrap(copy.deepcopy(ref))
 
 
 def _grads(ref, mod, x, g=None, autocast=None):
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
-    with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+    dev = x.device.type
+    with torch.autocast(dev, dtype=autocast or torch.float32, enabled=autocast is not None):
         y1, y2 = ref(x1), mod(x2)
     if g is None:
-        g = torch.randn(y1.shape, generator=torch.Generator().manual_seed(1)).to(y1.dtype)
+        g = torch.randn(y1.shape, generator=torch.Generator().manual_seed(1)).to(y1)
     y1.backward(g)
     y2.backward(g)
     pairs = [("input", x1.grad, x2.grad)] + [
@@ -43,10 +44,10 @@ def _grads(ref, mod, x, g=None, autocast=None):
 
 @pytest.mark.parametrize("name", MODULES)
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.bool])
-def test_integer_inputs_behave_as_in_torch(name, dtype):
+def test_integer_inputs_behave_as_in_torch(name, dtype, device):
     """Integer tensors never reach the compressed path: torch's own result or error."""
-    ref, mod = _pair(name)
-    x = torch.randint(0, 3, (2, 5, 64)).to(dtype)
+    ref, mod = _pair(name, device)
+    x = torch.randint(0, 3, (2, 5, 64)).to(device, dtype)
     try:
         expected = ref(x)
     except Exception as e:  # noqa: BLE001 - whatever torch raises, the wrapped module must too
@@ -66,15 +67,15 @@ def test_integer_matmul_and_softmax_functions_as_torch():
 
 @pytest.mark.parametrize("name", MODULES)
 @pytest.mark.parametrize("scale", [1e30, -1e30, 1e-40], ids=["1e30", "-1e30", "denormal"])
-def test_extreme_magnitudes_fp32(name, scale):
+def test_extreme_magnitudes_fp32(name, scale, device):
     """fp32 inputs of size 1e30 (-1e30: all negative) and of denormal size: forward bit-exact,
     gradients non-finite exactly where torch's are (LayerNorm's variance overflows at 1e30 in
     torch itself) and otherwise within the int8 SQNR floor. At 1e30 GELU's derivative is a
     step (0 or 1): there the gradient must be exact wherever the input is more than one
     quantization step from zero (nearer ones read as 0, derivative 0.5)."""
-    ref, mod = _pair(name)
+    ref, mod = _pair(name, device)
     r = torch.randn(4, 8, 64, generator=torch.Generator().manual_seed(0))
-    x = r * scale if scale > 0 else r.abs() * scale
+    x = (r * scale if scale > 0 else r.abs() * scale).to(device)
     y1, y2, pairs = _grads(ref, mod, x)
     assert_equal(y2, y1, "forward")
     for what, a, b in pairs:
@@ -82,8 +83,8 @@ def test_extreme_magnitudes_fp32(name, scale):
         if not torch.isfinite(a).all():
             continue
         if name == "gelu" and abs(scale) > 1:
-            _, scales = group_quant.quantize_ref(x.reshape(-1), 128)
-            step = scales.repeat_interleave(128).view(x.shape)
+            _, scales = group_quant.quantize_ref(x.reshape(-1).cpu(), 128)
+            step = scales.repeat_interleave(128).view(x.shape).to(device)
             far = x.abs() > step
             assert far.float().mean() > 0.95
             assert_equal(b[far], a[far], "GELU input grad away from zero")
@@ -105,15 +106,16 @@ def test_denormal_groups_flush_to_zero_through_linear():
 
 
 @pytest.mark.parametrize("name", MODULES)
-def test_fp16_overflow_under_autocast_stays_non_finite(name):
+def test_fp16_overflow_under_autocast_stays_non_finite(name, device):
     """1e30 in an fp32 tensor overflows to inf in autocast's fp16 cast: the gradients are
     non-finite exactly when torch's are (GradScaler then skips the step)."""
-    ref, mod = _pair(name)
+    ref, mod = _pair(name, device)
     x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(0))
     x[0, 3, 5] = 1e30
+    x = x.to(device)
     # small output gradients: a finite stand-in for the inf would give finite fp16 gradients
     y_shape = ref(x).shape
-    g = 1e-3 * torch.randn(y_shape, generator=torch.Generator().manual_seed(1)).half()
+    g = 1e-3 * torch.randn(y_shape, generator=torch.Generator().manual_seed(1)).half().to(device)
     _, _, pairs = _grads(ref, mod, x, g=g, autocast=torch.float16)
     finite_ref = all(torch.isfinite(a).all() for _, a, _ in pairs)
     finite_mod = all(torch.isfinite(b).all() for _, _, b in pairs)

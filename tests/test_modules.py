@@ -299,16 +299,16 @@ def test_channels_last_and_strided_inputs():
     assert sqnr_db(ref.weight.grad, mod.weight.grad) > 30
 
 
-def test_linear_column_major_input_grad_bit_exact():
+def test_linear_column_major_input_grad_bit_exact(device):
     """A transposed (column-major) 2-D input: torch's mm backward computes the input gradient
     transposed; the debug-exact mode must match it bit for bit."""
     torch.manual_seed(0)
-    ref = nn.Linear(96, 33)
+    ref = nn.Linear(96, 33).to(device)
     mod = mesa_lite.wrap(copy.deepcopy(ref), Config(debug_exact=True))
-    x = torch.randn(96, 5).t()
+    x = torch.randn(96, 5, device=device).t()
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     assert x1.stride() == x2.stride() == (1, 5)  # clone keeps the layout
-    g = torch.randn(5, 33)
+    g = torch.randn(5, 33, device=device)
     ref(x1).backward(g)
     mod(x2).backward(g)
     assert_equal(x2.grad, x1.grad, "input grad")
