@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argument_parser(__doc__)
     p.add_argument("--data-path", type=Path, default=None, help="ImageNet-layout folder")
     p.add_argument("--model", default=None, help="timm model name (with --data-path)")
+    p.add_argument("--img-size", type=int, default=224, help="with --data-path: input size")
+    p.add_argument("--workers", type=int, default=4, help="with --data-path: loader workers")
     p.add_argument(
         "--bits", nargs="*", type=int, choices=[8, 4, 2], default=[8, 4, 2],
         help="mesa_lite widths to compare with plain AMP",
@@ -266,7 +268,8 @@ def run_imagenet(args) -> dict:
         for bits in [None, *args.bits]:
             argv = ["--model", args.model, "--data-path", str(args.data_path), "--epochs",
                     str(args.epochs), "--batch-size", str(args.batch_size), "--seed", str(seed),
-                    "--amp-dtype", args.amp_dtype, "--device", args.device]  # fmt: skip
+                    "--amp-dtype", args.amp_dtype, "--device", args.device, "--img-size",
+                    str(args.img_size), "--workers", str(args.workers)]  # fmt: skip
             argv += ["--no-mesa"] if bits is None else ["--mesa", "--bits", str(bits)]
             res = train_deit.main(argv)
             results.append({"seed": seed, "bits": bits, "val_acc": res["val_acc"]})

@@ -90,7 +90,7 @@ def build_data(args):
     train_ds = ImageFolder(args.data_path / "train", train_tf)
     val_dir = args.data_path / "val"
     val_ds = ImageFolder(val_dir, val_tf) if val_dir.is_dir() else None
-    kw = dict(num_workers=args.workers, pin_memory=True)
+    kw = dict(num_workers=args.workers, pin_memory=str(args.device).startswith("cuda"))
     train = DataLoader(train_ds, args.batch_size, shuffle=True, drop_last=True, **kw)
     val = DataLoader(val_ds, args.batch_size, **kw) if val_ds is not None else None
     return train, val, args.num_classes or len(train_ds.classes)

@@ -2,6 +2,7 @@
 as well as plain autocast on the same seed, initial weights and batch order."""
 
 import pytest
+import torch
 
 from benchmarks import accuracy
 
@@ -65,3 +66,25 @@ def test_summary_merges_parallel_run_files(tmp_path):
     text = out.with_suffix(".md").read_text()
     assert "3 seeds 0-2" in text and "fp16 autocast" in text
     assert len(out.with_suffix(".jsonl").read_text().splitlines()) == 6
+
+
+def test_data_path_runs_the_paired_comparison_on_an_image_folder(tmp_path):
+    """--data-path: an ImageNet-layout folder (train/ and val/, one folder per class) goes
+    through train_deit.py, plain and mesa_lite, with the validation accuracy of each run."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(0)
+    for split in ("train", "val"):
+        for cls in ("a", "b"):
+            folder = tmp_path / "data" / split / cls
+            folder.mkdir(parents=True)
+            for i in range(4):
+                pixels = (torch.rand(40, 40, 3, generator=g) * 255).to(torch.uint8).numpy()
+                Image.fromarray(pixels).save(folder / f"{i}.png")
+    argv = ["--data-path", str(tmp_path / "data"), "--model", "deit_tiny_patch16_224",
+            "--img-size", "32", "--workers", "0", "--epochs", "1", "--batch-size", "4",
+            "--seeds", "0", "--bits", "8", "--amp-dtype", "bf16", "--device", "cpu"]  # fmt: skip
+    res = accuracy.main(argv)
+    assert [r["bits"] for r in res["rows"]] == [None, 8]
+    for r in res["rows"]:
+        assert 0.0 <= r["val_acc"] <= 100.0
