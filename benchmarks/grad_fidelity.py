@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import re
 import statistics
 import sys
@@ -57,6 +58,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if gpu else "cpu")
     p.add_argument("--out", type=Path, default=RESULTS / f"grad_fidelity_{'gpu' if gpu else 'cpu'}")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument(
+        "--from-jsonl", nargs="+", type=Path, default=None, metavar="FILE",
+        help="measure nothing: summarize and plot the per-parameter rows of earlier runs",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -158,32 +163,46 @@ def summarize(rows: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def plot(by_block: list[dict], path: Path) -> None:
+    """Median SQNR by block: a colour per model, a marker per width, dashed for stochastic."""
     plt = pyplot()
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(9, 5.5))
     series: dict[tuple, list[dict]] = {}
     for r in by_block:
         series.setdefault((r["model"], r["bits"], r["rounding"]), []).append(r)
+    models = sorted({m for m, _, _ in series})
+    colours = {m: f"C{i}" for i, m in enumerate(models)}
+    markers = {8: "o", 4: "s", 2: "^"}
     for (model, bits, rounding), rs in series.items():
-        ax.plot([r["block"] for r in rs], [r["median_db"] for r in rs], marker="o", ms=3,
+        ax.plot([r["block"] for r in rs], [r["median_db"] for r in rs], color=colours[model],
+                marker=markers.get(bits, "x"), ms=3, ls="--" if rounding == "stochastic" else "-",
                 label=f"{model.replace('_patch16_224', '')} int{bits} {rounding}")  # fmt: skip
     ax.set_xlabel("block")
     ax.set_ylabel("median parameter-gradient SQNR (dB)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     save_figure(fig, path)
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
-    env = environment()
-    rows = []
-    for name in args.models:
-        rows += [
-            dict(r, **env, dtype=args.dtype, attention=args.attention)
-            for r in measure(name, args, device)
-        ]
+    if args.from_jsonl:
+        rows = [json.loads(line) for f in args.from_jsonl for line in f.read_text().splitlines()]
+        if not rows:
+            raise SystemExit("--from-jsonl: the files hold no rows")
+        env = {k: rows[0][k] for k in ("device", "torch", "date")}
+        args.dtype, args.attention = rows[0]["dtype"], rows[0]["attention"]
+        args.batch_size = rows[0].get("batch_size", args.batch_size)
+    else:
+        env = environment()
+        rows = []
+        for name in args.models:
+            rows += [
+                dict(r, **env, dtype=args.dtype, attention=args.attention,
+                     batch_size=args.batch_size)
+                for r in measure(name, args, device)
+            ]  # fmt: skip
     by_kind, by_block = summarize(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_jsonl(args.out.with_suffix(".jsonl"), rows)

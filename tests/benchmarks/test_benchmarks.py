@@ -116,6 +116,13 @@ def test_grad_fidelity_small(tmp_path):
     assert [r["block"] for r in blocks] == list(range(12))
     n_params = len(res["rows"]) // 2
     assert n_params == 152  # every parameter of DeiT-Tiny, once per setting
+    # the summary and the plot again from the saved rows, measuring nothing
+    again = grad_fidelity.main(
+        ["--from-jsonl", str(tmp_path / "gf.jsonl"), "--out", str(tmp_path / "gf2")]
+    )
+    assert again["by_kind"] == json.loads(json.dumps(res["by_kind"]))
+    assert (tmp_path / "gf2.png").stat().st_size > 0
+    assert "batch 4" in (tmp_path / "gf2.md").read_text()
 
 
 def test_ablation_rows_pareto_and_resume(tmp_path):
