@@ -7,6 +7,7 @@ Parameters, buffers, hooks and state_dict keys stay the same; ``to_original`` sw
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import ClassVar
 
@@ -40,6 +41,26 @@ __all__ = [
     "softmax",
     "scaled_dot_product_attention",
 ]
+
+
+def eager_under_compile(fn):
+    """Runs ``fn`` eagerly when ``torch.compile`` traces it (a graph break around it), directly
+    otherwise.
+
+    mesa_lite's Functions keep Python-side state (the sharing registry, weak references) that
+    Dynamo cannot trace; under ``torch.compile`` the wrapped layers therefore run as eager
+    islands between compiled regions, compressed as in eager mode. Outside compilation the
+    check costs one function call.
+    """
+    disabled = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -87,6 +108,7 @@ class MesaModule:
         return self
 
 
+@eager_under_compile
 def matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
     """``torch.matmul(a, b)`` keeping both operands compressed (when they need grad).
 
@@ -98,6 +120,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec | None) -> torch.Te
     return MatMulFn.apply(_cast(a, dtype), _cast(b, dtype), spec, (a, b))
 
 
+@eager_under_compile
 def softmax(x: torch.Tensor, dim: int, spec: QuantSpec | None) -> torch.Tensor:
     """``torch.softmax(x, dim)`` keeping only the output, as uint8 codes (when x needs grad)."""
     if spec is None or not _needs_grad(x):
@@ -122,6 +145,7 @@ def _sdpa_backend(q, k, v, dropout_p, is_causal, scale) -> int:
         return -1
 
 
+@eager_under_compile
 def scaled_dot_product_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -166,6 +190,7 @@ class Linear(MesaModule, nn.Linear):
 
     mesa_kind = "linear"
 
+    @eager_under_compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._mesa_active(x, self.weight, self.bias):
             return super().forward(x)
@@ -184,6 +209,7 @@ class GELU(MesaModule, nn.GELU):
             module.approximate = "none"
         return super().from_module(module, spec)
 
+    @eager_under_compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._mesa_active(x):
             return super().forward(x)
@@ -196,6 +222,7 @@ class Softmax(MesaModule, nn.Softmax):
 
     mesa_kind = "softmax"
 
+    @eager_under_compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._mesa_active(x):
             return super().forward(x)
@@ -210,6 +237,7 @@ class LayerNorm(MesaModule, nn.LayerNorm):
 
     mesa_kind = "layernorm"
 
+    @eager_under_compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._mesa_active(x, self.weight, self.bias):
             return super().forward(x)
@@ -236,5 +264,6 @@ class MatMul(MesaModule, nn.Module):
         super().__init__()
         self.mesa_spec = QuantSpec() if spec is None else spec
 
+    @eager_under_compile
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return matmul(a, b, self.mesa_spec if self.training else None)

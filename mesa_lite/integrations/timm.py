@@ -12,7 +12,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from mesa_lite.modules import MesaModule, matmul, scaled_dot_product_attention, softmax
+from mesa_lite.modules import (
+    MesaModule,
+    eager_under_compile,
+    matmul,
+    scaled_dot_product_attention,
+    softmax,
+)
 
 try:
     import timm.layers as _tl
@@ -66,6 +72,7 @@ if _TimmAttention is not None:
 
         mesa_kind = "attention"
 
+        @eager_under_compile
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             if not self._mesa_active(x):
                 return super().forward(x, *args, **kwargs)
