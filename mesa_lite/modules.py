@@ -185,17 +185,39 @@ def scaled_dot_product_attention(
     return SDPAFn.apply(q, k, v, backend, dropout_p, is_causal, scale, spec)
 
 
+# The compressed paths of the modules below: under torch.compile only these run eagerly, so
+# the plain paths (eval, no_grad) still compile.
+
+
+@eager_under_compile
+def _linear(x, weight, bias, spec: QuantSpec) -> torch.Tensor:
+    dtype = compute_dtype("linear", x.device, x.dtype, weight.dtype)
+    return LinearFn.apply(_cast(x, dtype), weight, bias, dtype, spec, (x,))
+
+
+@eager_under_compile
+def _gelu(x, approximate: str, spec: QuantSpec) -> torch.Tensor:
+    dtype = compute_dtype("gelu", x.device, x.dtype)
+    return GELUFn.apply(_cast(x, dtype), approximate, spec)
+
+
+@eager_under_compile
+def _layer_norm(x, shape: tuple, weight, bias, eps: float, spec: QuantSpec) -> torch.Tensor:
+    w_dtypes = [weight.dtype] if weight is not None else []
+    dtype = compute_dtype("layer_norm", x.device, x.dtype, *w_dtypes)
+    w, b = _cast(weight, dtype), _cast(bias, dtype)
+    return LayerNormFn.apply(_cast(x, dtype), shape, w, b, eps, spec)
+
+
 class Linear(MesaModule, nn.Linear):
     """``nn.Linear`` keeping its (autocast-cast) input compressed."""
 
     mesa_kind = "linear"
 
-    @eager_under_compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._mesa_active(x, self.weight, self.bias):
             return super().forward(x)
-        dtype = compute_dtype("linear", x.device, x.dtype, self.weight.dtype)
-        return LinearFn.apply(_cast(x, dtype), self.weight, self.bias, dtype, self.mesa_spec, (x,))
+        return _linear(x, self.weight, self.bias, self.mesa_spec)
 
 
 class GELU(MesaModule, nn.GELU):
@@ -209,12 +231,10 @@ class GELU(MesaModule, nn.GELU):
             module.approximate = "none"
         return super().from_module(module, spec)
 
-    @eager_under_compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._mesa_active(x):
             return super().forward(x)
-        dtype = compute_dtype("gelu", x.device, x.dtype)
-        return GELUFn.apply(_cast(x, dtype), self.approximate, self.mesa_spec)
+        return _gelu(x, self.approximate, self.mesa_spec)
 
 
 class Softmax(MesaModule, nn.Softmax):
@@ -222,7 +242,6 @@ class Softmax(MesaModule, nn.Softmax):
 
     mesa_kind = "softmax"
 
-    @eager_under_compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._mesa_active(x):
             return super().forward(x)
@@ -237,18 +256,11 @@ class LayerNorm(MesaModule, nn.LayerNorm):
 
     mesa_kind = "layernorm"
 
-    @eager_under_compile
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._mesa_active(x, self.weight, self.bias):
             return super().forward(x)
-        w, b = self.weight, self.bias
-        dtype = compute_dtype(
-            "layer_norm", x.device, x.dtype, *([w.dtype] if w is not None else [])
-        )
         shape = tuple(self.normalized_shape)
-        return LayerNormFn.apply(
-            _cast(x, dtype), shape, _cast(w, dtype), _cast(b, dtype), self.eps, self.mesa_spec
-        )
+        return _layer_norm(x, shape, self.weight, self.bias, self.eps, self.mesa_spec)
 
 
 class MatMul(MesaModule, nn.Module):
@@ -264,6 +276,5 @@ class MatMul(MesaModule, nn.Module):
         super().__init__()
         self.mesa_spec = QuantSpec() if spec is None else spec
 
-    @eager_under_compile
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return matmul(a, b, self.mesa_spec if self.training else None)

@@ -10,23 +10,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_equal
+from conftest import assert_equal, tiny_vit
 
 import mesa_lite
 from mesa_lite import quant
-
-
-def tiny_vit(fused: bool):
-    import timm
-
-    torch.manual_seed(0)
-    model = timm.models.vision_transformer.VisionTransformer(
-        img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=5
-    )
-    for m in model.modules():
-        if hasattr(m, "fused_attn"):
-            m.fused_attn = fused
-    return model
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
@@ -63,3 +50,16 @@ def test_eager_under_compile_is_transparent_outside_compile():
 
     assert f(2, b=3) == 5 and calls == [(2, 3)]
     assert f.__name__ == "f"
+
+
+def test_plain_paths_compile_without_graph_breaks():
+    """Only the compressed paths are eager islands: in eval mode (the plain ops) a wrapped
+    model compiles into one graph."""
+    torch._dynamo.reset()
+    model = mesa_lite.wrap(tiny_vit(True)).eval()
+    x = torch.randn(2, 3, 16, 16)
+    with torch.no_grad():
+        explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    model.train()  # the compressed paths do break the graph
+    assert torch._dynamo.explain(model)(x).graph_break_count > 0

@@ -72,12 +72,14 @@ if _TimmAttention is not None:
 
         mesa_kind = "attention"
 
-        @eager_under_compile
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             if not self._mesa_active(x):
                 return super().forward(x, *args, **kwargs)
             return self._mesa_forward(x, *args, **kwargs)
 
+        # one eager island under torch.compile: the projection then finds the attention
+        # output's codes through the view it takes in eager mode
+        @eager_under_compile
         def _mesa_forward(self, x, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
             spec = self.mesa_spec
             B, N, C = x.shape
