@@ -37,6 +37,7 @@ from .common import (
     save_figure,
     write_jsonl,
 )
+from .deit_memory import make_model
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -90,13 +91,7 @@ def _grads(model, x, y, dtype):
 
 
 def measure(name: str, args, device) -> list[dict]:
-    import timm
-
-    torch.manual_seed(0)
-    plain = timm.create_model(name, pretrained=False, img_size=args.img_size).to(device)
-    for m in plain.modules():
-        if hasattr(m, "fused_attn"):
-            m.fused_attn = args.attention == "fused"
+    plain = make_model(name, args.attention, "amp", args.img_size).to(device)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=g).to(device)
     y = torch.randint(0, 1000, (args.batch_size,), generator=g).to(device)

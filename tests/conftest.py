@@ -59,6 +59,21 @@ def saved_activation_bytes(fn, params=()) -> tuple[int, object]:
     return sum(seen.values()), out
 
 
+def tiny_vit(fused: bool = True, seed: int = 0):
+    """A 2-block, 32-wide timm VisionTransformer on 16x16 images (5 classes), fused or explicit
+    attention, weights drawn under ``seed``: a whole timm model that trains in milliseconds."""
+    import timm
+
+    torch.manual_seed(seed)
+    model = timm.models.vision_transformer.VisionTransformer(
+        img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=5
+    )
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = fused
+    return model
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     return torch.device(request.param)

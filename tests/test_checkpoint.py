@@ -7,18 +7,9 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_equal
+from conftest import assert_equal, tiny_vit
 
 import mesa_lite
-
-
-def tiny_vit(seed: int):
-    import timm
-
-    torch.manual_seed(seed)
-    return timm.models.vision_transformer.VisionTransformer(
-        img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=5
-    )
 
 
 def batches(n):
@@ -44,7 +35,7 @@ def test_resume_gives_the_same_next_steps(bits):
     the RNG state belongs in the checkpoint."""
     config = mesa_lite.Config(bits=bits)
     data = batches(5)
-    model = mesa_lite.wrap(tiny_vit(0), config)
+    model = mesa_lite.wrap(tiny_vit(), config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for x, y in data[:3]:
         step(model, opt, x, y)
@@ -55,7 +46,7 @@ def test_resume_gives_the_same_next_steps(bits):
 
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)
-    resumed = mesa_lite.wrap(tiny_vit(99), config)
+    resumed = mesa_lite.wrap(tiny_vit(seed=99), config)
     resumed.load_state_dict(ckpt["model"], strict=True)
     opt2 = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
     opt2.load_state_dict(ckpt["opt"])
@@ -71,7 +62,7 @@ def test_optimizer_state_interchangeable_with_plain_model():
     """The optimizer of a wrapped model holds the same state layout as the plain model's:
     either loads into the other."""
     data = batches(2)
-    plain, wrapped = tiny_vit(0), mesa_lite.wrap(tiny_vit(0))
+    plain, wrapped = tiny_vit(), mesa_lite.wrap(tiny_vit())
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, wrapped)]
     for m, o in zip((plain, wrapped), opts, strict=True):
         for x, y in data:
@@ -88,7 +79,7 @@ def test_optimizer_state_interchangeable_with_plain_model():
 
 
 def test_pickle_round_trip_of_a_wrapped_model():
-    model = mesa_lite.wrap(tiny_vit(0))
+    model = mesa_lite.wrap(tiny_vit())
     loaded = pickle.loads(pickle.dumps(model))
     assert type(loaded.blocks[0].mlp.fc1) is mesa_lite.Linear
     assert loaded.blocks[0].mlp.fc1.mesa_spec == model.blocks[0].mlp.fc1.mesa_spec

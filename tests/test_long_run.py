@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import tiny_vit
 from mesa_lite.kernels import group_quant
 
 import mesa_lite
@@ -41,22 +42,9 @@ def alive(refs) -> int:
     return sum(r() is not None for r in refs)
 
 
-def tiny_vit(attention: str):
-    import timm
-
-    torch.manual_seed(0)
-    model = timm.models.vision_transformer.VisionTransformer(
-        img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=5
-    )
-    for m in model.modules():
-        if hasattr(m, "fused_attn"):
-            m.fused_attn = attention == "fused"
-    return mesa_lite.wrap(model)
-
-
 @pytest.fixture(params=["fused", "explicit"])
 def model(request):
-    return tiny_vit(request.param)
+    return mesa_lite.wrap(tiny_vit(request.param == "fused"))
 
 
 def batch():
@@ -138,16 +126,11 @@ def test_exception_in_backward_frees_the_graph(model, tracked):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU memory run")
 @pytest.mark.parametrize("attention", ["fused", "explicit"])
 def test_cuda_memory_does_not_grow(attention):
-    import timm
+    from benchmarks.deit_memory import make_model
 
     steps = int(os.environ.get("MESA_LONG_RUN_STEPS", "1000"))
     warmup = 5
-    torch.manual_seed(0)
-    model = timm.create_model("deit_tiny_patch16_224", pretrained=False)
-    for m in model.modules():
-        if hasattr(m, "fused_attn"):
-            m.fused_attn = attention == "fused"
-    model = mesa_lite.wrap(model).cuda().train()
+    model = make_model("deit_tiny_patch16_224", attention, "mesa", 224).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scaler = torch.amp.GradScaler("cuda")
     g = torch.Generator().manual_seed(0)

@@ -10,18 +10,17 @@ from conftest import assert_equal, saved_activation_bytes, sqnr_db
 
 import mesa_lite
 
-timm = pytest.importorskip("timm")
+pytest.importorskip("timm")
 
 BATCH = 8
 
 
 def _deit(fused: bool, device):
-    torch.manual_seed(0)
-    model = timm.create_model("deit_tiny_patch16_224", pretrained=False).to(device)
-    for m in model.modules():
-        if hasattr(m, "fused_attn"):
-            m.fused_attn = fused
-    return model
+    from benchmarks.deit_memory import make_model
+
+    return make_model("deit_tiny_patch16_224", "fused" if fused else "explicit", "amp", 224).to(
+        device
+    )
 
 
 def _step(model, x, y, device, dtype):
