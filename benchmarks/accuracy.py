@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import statistics
 import sys
@@ -37,7 +36,7 @@ if __package__ in (None, ""):  # run as a script: import the rest as the benchma
 
 import mesa_lite
 
-from .common import RESULTS, argument_parser, environment, markdown_table, write_jsonl
+from .common import RESULTS, argument_parser, environment, markdown_table, read_jsonl, write_jsonl
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -216,9 +215,7 @@ def main(argv=None) -> dict:
     if args.data_path is not None:
         return run_imagenet(args)
     if args.from_jsonl:
-        rows = [json.loads(line) for f in args.from_jsonl for line in f.read_text().splitlines()]
-        if not rows:
-            raise SystemExit("--from-jsonl: the files hold no runs")
+        rows = read_jsonl(args.from_jsonl)
         for key in ("depth", "embed_dim", "lr", "batch_size", "epochs"):
             setattr(args, key, rows[0].get(key, "?"))
         args.amp_dtype = rows[0]["amp"]

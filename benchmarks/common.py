@@ -104,6 +104,15 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def read_jsonl(paths: list[Path]) -> list[dict]:
+    """The rows of JSON-lines files, in order (the ``--from-jsonl`` options); an error when
+    they hold none."""
+    rows = [json.loads(line) for p in paths for line in Path(p).read_text().splitlines()]
+    if not rows:
+        raise SystemExit(f"--from-jsonl: {', '.join(map(str, paths))} hold no rows")
+    return rows
+
+
 def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     """``columns``: (key, header, format spec); missing values print as '-'."""
     head = "| " + " | ".join(h for _, h, _ in columns) + " |"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import re
 import statistics
 import sys
@@ -34,6 +33,7 @@ from .common import (
     environment,
     markdown_table,
     pyplot,
+    read_jsonl,
     save_figure,
     write_jsonl,
 )
@@ -183,9 +183,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
     if args.from_jsonl:
-        rows = [json.loads(line) for f in args.from_jsonl for line in f.read_text().splitlines()]
-        if not rows:
-            raise SystemExit("--from-jsonl: the files hold no rows")
+        rows = read_jsonl(args.from_jsonl)
         env = {k: rows[0][k] for k in ("device", "torch", "date")}
         args.dtype, args.attention = rows[0]["dtype"], rows[0]["attention"]
         args.batch_size = rows[0].get("batch_size", args.batch_size)
