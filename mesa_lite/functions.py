@@ -214,12 +214,11 @@ class LayerNormFn(torch.autograd.Function):
         px, mean, rstd, weight, bias = quant.load(ctx)
         if px.spec.exact:
             x = quant.dequantize(px)
-        else:  # x = x_hat * std + mean, one fused pass over the rows
+        else:  # x = x_hat / rstd + mean
+            x = quant.dequantize(px, torch.float32) / rstd + mean
             # rstd is 0 where the variance overflowed (|x| ~ 1e19 in fp32): torch's gradient
-            # is 0 there whatever x is, so those rows take std 0 rather than 1 / 0 (a NaN
-            # from 0 * inf); NaN rstd stays NaN
-            std = torch.where(rstd == 0, 0.0, rstd.reciprocal())
-            x = torch.addcmul(mean, quant.dequantize(px, torch.float32), std).to(ctx.x_dtype)
+            # is 0 there whatever x is, and 0 / 0 must not turn it into NaN
+            x = torch.where(rstd == 0, mean, x).to(ctx.x_dtype)
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
         gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
             grad.contiguous(), x, ctx.normalized_shape, mean, rstd, weight, bias, mask
