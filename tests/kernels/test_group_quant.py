@@ -199,6 +199,9 @@ def test_property_non_finite_preserved_and_error_bound(
     bound = 0.5 * step * (1 + 1e-5) + x.abs() * 2**-23
     # a group of tiny denormals whose scale underflows to 0 flushes to zero (documented)
     qmax = gq.qrange(signed, bits)[1]
+    # a denormal scale is rounded to a multiple of 2**-149 (up to 2**-150 off), which moves
+    # the top code's value by up to qmax * 2**-150, and the product rounds again
+    bound = torch.where(step < 2.0**-126, bound + (qmax + 1) * 2.0**-150, bound)
     bound = torch.where(step == 0, torch.full_like(x, qmax * 2.0**-149), bound)[group_ok]
     assert (err <= bound).all(), (err - bound).max()
     rcodes, rscales = gq.quantize_ref(x.cpu(), group_size, signed=signed, bits=bits)
