@@ -41,19 +41,23 @@ class Packed:
             itself when ``spec.exact``.
         scales: fp32, one per group (None when exact).
         shape: the shape of the tensor this rebuilds.
-        dtype: the dtype of the stored tensor.
+        dtype: the dtype of the tensor this rebuilds (after the recipe, if any).
         spec: how it was quantized.
         signed: signed codes (True) or unsigned codes for non-negative tensors (False).
-        recipe: None, or how to derive the tensor from the stored one: ``("gelu", approximate)``
-            or ``("affine", normalized_shape, eps)`` (weight and bias in ``aux``; in the exact
-            mode the stored tensor is the LayerNorm input and the recipe reruns the LayerNorm).
-        aux: tensors the recipe needs, kept with ``save_for_backward`` too.
+        recipe: a tuple of steps that derive the tensor from the stored one, applied in
+            order (empty: the stored tensor itself). A step is ``(kind, dtype, *params)``,
+            ``dtype`` the dtype the forward op of that step ran in:
+            ``("affine", dtype, normalized_shape, eps)`` (a LayerNorm's output from its
+            normalized input; weight and bias in ``aux``; in the exact mode the stored tensor
+            is the LayerNorm input and the step reruns the LayerNorm; always the first step)
+            and ``("gelu", dtype, approximate)``.
+        aux: tensors the steps need, in step order, kept with ``save_for_backward`` too.
     """
 
     __slots__ = ("codes", "scales", "shape", "dtype", "spec", "signed", "recipe", "aux")
 
     def __init__(
-        self, codes, scales, shape, dtype, spec: QuantSpec, signed=True, recipe=None, aux=()
+        self, codes, scales, shape, dtype, spec: QuantSpec, signed=True, recipe=(), aux=()
     ) -> None:
         self.codes = codes
         self.scales = scales
@@ -68,17 +72,17 @@ class Packed:
         """Everything but codes, scales and aux, to rebuild with ``Packed(c, s, *meta)``."""
         return (self.shape, self.dtype, self.spec, self.signed, self.recipe)
 
-    def derived(self, recipe, aux=()) -> Packed:
-        """The same codes, rebuilding another tensor through ``recipe``."""
+    def derived(self, step: tuple, dtype: torch.dtype, aux=()) -> Packed:
+        """The same codes, rebuilding the output (of ``dtype``) of one more op ``step``."""
         return Packed(
             self.codes,
             self.scales,
             self.shape,
-            self.dtype,
+            dtype,
             self.spec,
             self.signed,
-            recipe,
-            tuple(aux),
+            (*self.recipe, step),
+            (*self.aux, *aux),
         )
 
     def nbytes(self) -> int:
@@ -92,6 +96,11 @@ class Packed:
             f"Packed(shape={tuple(self.shape)}, dtype={self.dtype}, {self.spec.describe()}, "
             f"signed={self.signed}, recipe={self.recipe}, {self.nbytes()} bytes)"
         )
+
+
+# A chain of recipe steps is rebuilt in full by every consumer; past this length a producer
+# quantizes its input afresh instead of extending the chain (GELU -> GELU -> GELU -> ...).
+MAX_RECIPE_STEPS = 2
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -158,32 +167,40 @@ def _stored(p: Packed, dtype: torch.dtype) -> torch.Tensor:
 def dequantize(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Rebuilds the tensor of ``p`` (through its recipe, if any) in ``dtype``.
 
-    The GELU recipe runs in the stored tensor's dtype (as the forward did), the affine recipe in
-    fp32 (LayerNorm outputs are narrow), then one cast; in the exact (debug) mode recipes rerun
-    the very op of the forward on the exact input, so results are bit-identical.
+    Each step runs in the dtype its forward op ran in (the GELU's input dtype; the affine
+    step in fp32, as LayerNorm outputs are narrow), with one cast between steps and one at
+    the end; in the exact (debug) mode steps rerun the very ops of the forward on the exact
+    input, so results are bit-identical.
     """
     dtype = p.dtype if dtype is None else dtype
-    if p.recipe is None:
+    if not p.recipe:
         return _stored(p, dtype).view(p.shape)
-    kind = p.recipe[0]
-    if kind == "gelu":
-        # in the stored dtype, as the forward's GELU ran: an fp32 detour would allocate two
-        # fp32 temporaries of the MLP's widest activation in the middle of backward
-        h = p.codes if p.spec.exact else _stored(p, p.dtype)
-        return F.gelu(h, approximate=p.recipe[1]).to(dtype).view(p.shape)
-    if kind == "affine":
-        normalized_shape, eps = p.recipe[1], p.recipe[2]
-        weight, bias = p.aux
-        if p.spec.exact:  # codes: the LayerNorm input itself
-            y = F.layer_norm(p.codes, normalized_shape, weight, bias, eps)
-            return y.to(dtype).view(p.shape)
-        y = _stored(p, torch.float32).view(p.shape)
-        if weight is not None:
-            y = y * weight.float()
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(dtype)
-    raise ValueError(f"unknown recipe {p.recipe!r}")
+    aux = iter(p.aux)
+    h = None
+    for i, step in enumerate(p.recipe):
+        kind, step_dtype = step[0], step[1]
+        if kind == "affine":
+            if i != 0:
+                raise ValueError(f"affine recipe step must come first, got {p.recipe!r}")
+            normalized_shape, eps = step[2], step[3]
+            weight, bias = next(aux), next(aux)
+            if p.spec.exact:  # codes: the LayerNorm input itself
+                h = F.layer_norm(p.codes, normalized_shape, weight, bias, eps)
+                continue
+            h = _stored(p, torch.float32).view(p.shape)
+            if weight is not None:
+                h = h * weight.float()
+            if bias is not None:
+                h = h + bias.float()
+        elif kind == "gelu":
+            if h is None:
+                # in the stored dtype, as the forward's GELU ran: an fp32 detour would allocate
+                # two fp32 temporaries of the MLP's widest activation in the middle of backward
+                h = p.codes if p.spec.exact else _stored(p, step_dtype)
+            h = F.gelu(h.to(step_dtype), approximate=step[2])
+        else:
+            raise ValueError(f"unknown recipe step {step!r}")
+    return h.to(dtype).view(p.shape)
 
 
 # ---- sharing one copy between ops ------------------------------------------------------------
