@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session: the kernel and CUDA tests with compiled Triton kernels, then the benchmarks.
 # Used through the device tool; writes logs and results under $OUT (default ./out).
-#   bash benchmarks/run_h200.sh [tests|bench|fidelity|all] [extra deit_memory args...]
+#   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|all] [extra deit_memory args...]
+# suite: the whole test suite (CPU and CUDA parametrizations), in parallel processes.
 # e.g. the memory matrix with 8- and 4-bit rows, fp16 only:
 #   bash benchmarks/run_h200.sh bench --dtype fp16 --bits 8 4
 set -uo pipefail
@@ -13,6 +14,26 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, timm; print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__)" | tee -a "$OUT/gpu.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i "warning" || true
+if [[ $what == suite ]]; then
+  # every test of the repository, split over processes (kernel tests are dominated by Triton
+  # compiles); one log per group, then the summary lines and their sum
+  groups=("tests/kernels -k float32" "tests/kernels -k 'float16 and not bfloat16'"
+          "tests/kernels -k bfloat16" "tests/kernels -k 'not float32 and not float16'"
+          "tests/test_composition.py tests/test_semantics.py"
+          "tests/test_modules.py tests/test_attention.py tests/test_properties.py"
+          "tests/models tests/benchmarks tests/test_long_run.py"
+          "tests/test_bad_input.py tests/test_checkpoint.py tests/test_compile.py tests/test_reliability.py tests/test_report.py tests/test_sharing.py tests/test_wrap.py")
+  i=0
+  for g in "${groups[@]}"; do
+    eval "python3 -m pytest -q -p no:cacheprovider $g" > "$OUT/suite_$i.txt" 2>&1 &
+    i=$((i + 1))
+  done
+  wait
+  for f in "$OUT"/suite_*.txt; do echo "$f: $(tail -n 1 "$f")"; done | tee "$OUT/suite_summary.txt"
+  grep -h -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" "$OUT"/suite_*.txt | tr -d '=' \
+    | python3 -c "import re,sys; t={}; [t.__setitem__(k, t.get(k, 0) + int(n)) for l in sys.stdin for n, k in re.findall(r'(\d+) (passed|failed|skipped|deselected|errors?)', l)]; print('total:', t)" \
+    | tee -a "$OUT/suite_summary.txt"
+fi
 if [[ $what == tests || $what == all ]]; then
   # kernel tests are dominated by Triton compiles: four processes, split by dtype
   for k in "float32" "float16 and not bfloat16" "bfloat16" "not float32 and not float16"; do

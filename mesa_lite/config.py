@@ -8,14 +8,52 @@ Both validate their fields on construction and name the bad field in the error.
 from __future__ import annotations
 
 import dataclasses
-import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 LAYER_KINDS: tuple[str, ...] = ("linear", "gelu", "softmax", "layernorm", "matmul", "attention")
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 SUPPORTED_BITS: tuple[int, ...] = (8, 4, 2)
 _OVERRIDE_FIELDS = ("bits", "group_size", "rounding", "enabled")
+
+
+class FrozenMap(Mapping):
+    """An immutable, hashable, picklable mapping (``Config.overrides`` and its entries).
+
+    Equality and hash follow insertion order, as the order of overrides matters (later
+    matches win).
+    """
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping | None = None) -> None:
+        object.__setattr__(self, "_items", dict(items or {}))
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self) -> Iterator:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._items.items()))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, FrozenMap):
+            return tuple(self._items.items()) == tuple(other._items.items())
+        return isinstance(other, Mapping) and self._items == dict(other.items())
+
+    def __setattr__(self, name, value):
+        raise AttributeError("FrozenMap is immutable")
+
+    def __reduce__(self):
+        return (FrozenMap, (self._items,))
+
+    def __repr__(self) -> str:
+        return repr(self._items)
 
 
 def _check_bits(bits: Any, field: str = "bits") -> None:
@@ -116,9 +154,7 @@ class Config:
     group_size: int = 128
     rounding: str | None = None
     layers: frozenset[str] = frozenset(LAYER_KINDS)
-    overrides: Mapping[str, Mapping[str, Any]] = dataclasses.field(
-        default_factory=lambda: types.MappingProxyType({})
-    )
+    overrides: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=FrozenMap)
     debug_exact: bool = False
 
     def __post_init__(self) -> None:
@@ -164,8 +200,8 @@ class Config:
             )
             if "enabled" in fields and not isinstance(fields["enabled"], bool):
                 raise TypeError(f"{field}.enabled must be a bool, got {fields['enabled']!r}")
-            frozen[name] = types.MappingProxyType(dict(fields))
-        object.__setattr__(self, "overrides", types.MappingProxyType(frozen))
+            frozen[name] = FrozenMap(fields)
+        object.__setattr__(self, "overrides", FrozenMap(frozen))
         if not isinstance(self.debug_exact, bool):
             raise TypeError(f"debug_exact must be a bool, got {type(self.debug_exact).__name__}")
 

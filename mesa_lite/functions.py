@@ -1,10 +1,16 @@
 """Autograd Functions that compute the plain torch op and keep compressed inputs for backward.
 
-Autocast: the modules resolve the dtype autocast would run each op in (``compute_dtype``), cast
-the inputs to it outside the Function (so autograd casts the gradients back as autocast's own
-casts would), and the Functions run the same aten op on the cast inputs (autocast, still on,
-then has nothing left to cast). Forward outputs are
-therefore bit-identical to PyTorch's, with and without autocast, on any device.
+Autocast: the modules cast the inputs exactly as autocast itself would cast them for each op
+(``autocast_dtype`` gives the op's cast target, ``autocast_cast`` casts one tensor as autocast's
+``cached_cast`` does), outside the Function (so autograd casts the gradients back as autocast's
+own casts would), and the Functions run the same aten op on the cast inputs (autocast, still
+on, then has nothing left to cast). Outside autocast nothing is cast: mixed dtypes reach the
+aten op as they came, so it accepts what torch accepts (an fp32 LayerNorm on bf16 input) and
+raises torch's own error for what torch rejects. Forward outputs are therefore bit-identical
+to PyTorch's, with and without autocast, on any device.
+
+Each Function keeps only what the gradients asked for need (``ctx.needs_input_grad``): a
+frozen Linear whose input needs grad keeps no copy of that input, as in torch.
 """
 
 from __future__ import annotations
@@ -21,53 +27,75 @@ from mesa_lite.config import QuantSpec
 # ---- the dtype autocast gives an op ---------------------------------------------------------
 
 _PROBES = {
-    "linear": lambda a, b: F.linear(a, b),
-    "matmul": lambda a, b: torch.matmul(a, b),
-    "softmax": lambda a: torch.softmax(a, -1),
-    "gelu": lambda a: F.gelu(a),
-    "layer_norm": lambda a, *w: F.layer_norm(a, (1,), *(t.view(1) for t in w)),
-    "sdpa": lambda a: F.scaled_dot_product_attention(a[None, None], a[None, None], a[None, None]),
+    "linear": (2, lambda a, b: F.linear(a, b)),
+    "matmul": (2, lambda a, b: torch.matmul(a, b)),
+    "softmax": (1, lambda a: torch.softmax(a, -1)),
+    "gelu": (1, lambda a: F.gelu(a)),
+    "layer_norm": (1, lambda a: F.layer_norm(a, (1,))),
+    "sdpa": (1, lambda a: F.scaled_dot_product_attention(*[a[None, None]] * 3)),
 }
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+
+def _probe(op: str, device: str, autocast_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    arity, fn = _PROBES[op]
+    args = [torch.zeros(1, 1, dtype=dtype, device=device) for _ in range(arity)]
+    with torch.no_grad(), torch.autocast(device_type=device, dtype=autocast_dtype):
+        return fn(*args).dtype
 
 
 @functools.cache
-def _probe(op: str, device: str, autocast_dtype: torch.dtype | None, dtypes: tuple) -> torch.dtype:
-    args = [torch.zeros(1, 1, dtype=d, device=device) for d in dtypes]
-    with torch.no_grad():
-        if autocast_dtype is None:
-            return _PROBES[op](*args).dtype
-        with torch.autocast(device_type=device, dtype=autocast_dtype):
-            return _PROBES[op](*args).dtype
+def _autocast_policy(op: str, device: str, autocast_dtype: torch.dtype) -> torch.dtype | None:
+    """Autocast's cast target for ``op``: its dtype for lower-precision ops, fp32 for fp32 ops,
+    None for ops it leaves alone. Found by running the op on 1-element tensors under autocast,
+    so it follows PyTorch's own lists on every device and version."""
+    if _probe(op, device, autocast_dtype, torch.float32) == autocast_dtype:
+        return autocast_dtype
+    if _probe(op, device, autocast_dtype, autocast_dtype) == torch.float32:
+        return torch.float32
+    return None
 
 
-def compute_dtype(op: str, device: torch.device, *dtypes: torch.dtype) -> torch.dtype:
-    """The dtype the current autocast state runs ``op`` in, for inputs of ``dtypes``.
-
-    Found by running the op once on 1-element tensors under the same autocast settings and
-    cached, so it follows PyTorch's own policy on every device and version.
-    """
+def autocast_dtype(op: str, device: torch.device) -> torch.dtype | None:
+    """The dtype the current autocast state casts ``op``'s floating inputs on ``device`` to, or
+    None when autocast is off there or leaves ``op`` alone."""
     dev = device.type
-    if dev in ("cpu", "cuda", "xpu", "mps") and torch.is_autocast_enabled(dev):
-        ac = torch.get_autocast_dtype(dev)
-    else:
-        ac = None
-    if ac is None and len(set(dtypes)) == 1:
-        return dtypes[0]  # no autocast, one dtype: nothing to resolve
-    try:
-        return _probe(op, dev, ac, tuple(dtypes))
-    except RuntimeError:
-        return dtypes[0]  # mixed dtypes torch rejects: let the real op raise its own error
+    if dev not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(dev):
+        return None
+    return _autocast_policy(op, dev, torch.get_autocast_dtype(dev))
 
 
-def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return t if t is None or t.dtype == dtype else t.to(dtype)
+def autocast_cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``t`` cast to ``dtype`` where autocast would cast it (a floating tensor other than fp64;
+    ``dtype`` None: no cast), else ``t`` itself."""
+    if t is None or dtype is None or t.dtype == dtype:
+        return t
+    if not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    return t.to(dtype)
 
 
-def _keep(x: torch.Tensor, spec: QuantSpec, signed: bool = True, share_key=None) -> quant.Packed:
+def _fresh(out: torch.Tensor) -> torch.Tensor:
+    """A Function's output that is a view of a tensor made inside it (``F.linear`` on 3-D input,
+    a folded matmul, an attention backend's transposed output), as a non-view alias of the same
+    memory: autograd forbids in-place ops on views made inside a custom Function, while torch's
+    own ops allow them on their outputs."""
+    return out.detach() if out._base is not None else out
+
+
+def _keep(
+    x: torch.Tensor, spec: QuantSpec, signed: bool = True, share_key=None, max_steps=None
+) -> quant.Packed:
     """Reuses the codes a producer registered for ``x`` (or for ``share_key``, the tensor before
-    the autocast cast that made ``x``), else quantizes ``x``."""
+    the autocast cast that made ``x``), else quantizes ``x``.
+
+    ``max_steps``: reuse only codes whose recipe has at most this many steps (a producer that
+    extends the recipe passes ``MAX_RECIPE_STEPS - 1``).
+    """
     shared = quant.lookup_shared(x, spec, key=share_key)
-    return shared if shared is not None else quant.quantize(x, spec, signed)
+    if shared is not None and (max_steps is None or len(shared.recipe) <= max_steps):
+        return shared
+    return quant.quantize(x, spec, signed)
 
 
 def _first_order_only(backward):
@@ -106,35 +134,41 @@ class LinearFn(torch.autograd.Function):
     """``F.linear`` keeping the compressed input; the weight is kept as the Parameter itself and
     cast again in backward, so no low-precision copy of it outlives the forward.
 
-    ``shares``: ``(x0,)``, the input before the autocast cast, whose registered codes (a
-    LayerNorm's or GELU's output) are reused instead of a second copy.
+    ``dtype``: autocast's cast target for the weight and bias (None: no cast). ``shares``:
+    ``(x0,)``, the input before the autocast cast, whose registered codes (a LayerNorm's or
+    GELU's output) are reused instead of a second copy. The input is kept only when the
+    weight needs grad, the weight only when the input does.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dtype: torch.dtype, spec: QuantSpec, shares=(None,)):
-        out = F.linear(x, _cast(weight, dtype), _cast(bias, dtype))
-        quant.save(ctx, _keep(x, spec, share_key=shares[0]), weight)
+    def forward(ctx, x, weight, bias, dtype: torch.dtype | None, spec: QuantSpec, shares=(None,)):
+        out = F.linear(x, autocast_cast(weight, dtype), autocast_cast(bias, dtype))
+        need_x, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[0]
+        px = _keep(x, spec, share_key=shares[0]) if need_x else None
+        quant.save(ctx, px, weight if need_w else None)
         ctx.dtype = dtype
-        ctx.has_bias = bias is not None
+        ctx.x_dtype = x.dtype
+        ctx.w_shape_dtype = (weight.shape, weight.dtype)
+        ctx.b_dtype = None if bias is None else bias.dtype
         ctx.x_col_major = _folded_col_major(x)
-        return out
+        return _fresh(out)
 
     @staticmethod
     @_first_order_only
     def backward(ctx, grad):
         px, weight = quant.load(ctx)
-        w = _cast(weight, ctx.dtype)
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
+            w = autocast_cast(weight, ctx.dtype)
             # as torch's mm backward: a column-major input gets its gradient computed transposed
             gx = (w.t() @ g2.t()).t() if ctx.x_col_major else g2 @ w
             grad_x = gx.reshape(*grad.shape[:-1], w.shape[1])
         if ctx.needs_input_grad[1]:
-            x2 = quant.dequantize(px, ctx.dtype).reshape(-1, px.shape[-1])
-            grad_w = (g2.t() @ x2).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g2.sum(0).to(weight.dtype)
+            x2 = quant.dequantize(px, ctx.x_dtype).reshape(-1, px.shape[-1])
+            grad_w = (g2.t() @ x2).to(ctx.w_shape_dtype[1])
+        if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0).to(ctx.b_dtype)
         return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -143,23 +177,26 @@ class LinearFn(torch.autograd.Function):
 
 class GELUFn(torch.autograd.Function):
     """Keeps the compressed input; registers it as the (rebuildable) copy of its output, so
-    the next Linear (timm's fc2) keeps no second copy."""
+    the next Linear (timm's fc2) keeps no second copy. An input that is itself a registered
+    output (a LayerNorm's, another GELU's) is kept as those codes, its recipe extended by one
+    step."""
 
     @staticmethod
-    def forward(ctx, x, approximate: str, spec: QuantSpec):
+    def forward(ctx, x, approximate: str, spec: QuantSpec, shares=(None,)):
         out = F.gelu(x, approximate=approximate)
-        p = _keep(x, spec)
+        p = _keep(x, spec, share_key=shares[0], max_steps=quant.MAX_RECIPE_STEPS - 1)
         quant.save(ctx, p)
-        quant.share(out, p.derived(("gelu", approximate)))
+        quant.share(out, p.derived(("gelu", x.dtype, approximate), out.dtype))
         ctx.approximate = approximate
+        ctx.x_dtype = x.dtype
         return out
 
     @staticmethod
     @_first_order_only
     def backward(ctx, grad):
         (px,) = quant.load(ctx)
-        x = quant.dequantize(px)
-        return torch.ops.aten.gelu_backward(grad, x, approximate=ctx.approximate), None, None
+        x = quant.dequantize(px, ctx.x_dtype)
+        return torch.ops.aten.gelu_backward(grad, x, approximate=ctx.approximate), None, None, None
 
 
 # ---- Softmax ----------------------------------------------------------------------------------
@@ -193,33 +230,44 @@ class LayerNormFn(torch.autograd.Function):
     and rstd; registers it, with the affine parameters, as the (rebuildable) copy of its
     output, so the next Linear (timm's qkv, fc1) keeps no second copy. The normalized input
     is better conditioned for absmax groups than ``x`` itself (no per-row offset).
-    In the exact (debug) mode it keeps ``x`` itself."""
+    In the exact (debug) mode it keeps ``x`` itself. When only the bias needs grad it keeps
+    nothing of ``x``."""
 
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, bias, eps: float, spec: QuantSpec):
         out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        ctx.normalized_shape = normalized_shape
+        ctx.x_dtype = x.dtype
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[2]):
+            quant.save(ctx, None, None, None, weight, bias)
+            ctx.x_shape = x.shape
+            return out
         if spec.exact or not quant.compressible(x):
             p = quant.quantize(x, spec)  # x itself (fp64 stays exact)
         else:
             p = quant.quantize((x.float() - mean) * rstd, spec)
         quant.save(ctx, p, mean, rstd, weight, bias)
-        quant.share(out, p.derived(("affine", normalized_shape, eps), aux=(weight, bias)))
-        ctx.normalized_shape = normalized_shape
-        ctx.x_dtype = x.dtype
+        step = ("affine", out.dtype, normalized_shape, eps)
+        quant.share(out, p.derived(step, out.dtype, aux=(weight, bias)))
         return out
 
     @staticmethod
     @_first_order_only
     def backward(ctx, grad):
         px, mean, rstd, weight, bias = quant.load(ctx)
-        if px.spec.exact:
+        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
+        if px is None:  # only the bias: its gradient reads no x, mean or rstd
+            x = grad.new_zeros(()).expand(ctx.x_shape)
+            stats = ctx.x_shape[: len(ctx.x_shape) - len(ctx.normalized_shape)]
+            stats = (*stats, *([1] * len(ctx.normalized_shape)))
+            mean = rstd = grad.new_zeros((), dtype=torch.float32).expand(stats)
+        elif px.spec.exact:
             x = quant.dequantize(px)
         else:  # x = x_hat / rstd + mean
             x = quant.dequantize(px, torch.float32) / rstd + mean
             # rstd is 0 where the variance overflowed (|x| ~ 1e19 in fp32): torch's gradient
             # is 0 there whatever x is, and 0 / 0 must not turn it into NaN
             x = torch.where(rstd == 0, mean, x).to(ctx.x_dtype)
-        mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
         gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
             grad.contiguous(), x, ctx.normalized_shape, mean, rstd, weight, bias, mask
         )
@@ -233,8 +281,23 @@ def _sum_to(g: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     return g if g.shape == shape else g.sum_to_size(shape)
 
 
+def _keep_operand(t: torch.Tensor, t0: torch.Tensor | None, spec: QuantSpec):
+    """A matmul operand to keep: a Parameter (``t0``, before any autocast cast) as itself, as
+    a Linear keeps its weight (it lives anyway; cast again in backward); else compressed."""
+    if isinstance(t0, torch.nn.Parameter):
+        return t0
+    return _keep(t, spec, share_key=t0)
+
+
+def _operand(kept, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(kept, quant.Packed):
+        return quant.dequantize(kept, dtype)
+    return kept.to(dtype)
+
+
 class MatMulFn(torch.autograd.Function):
-    """``a @ b`` for operands of 2 or more dims (batch dims broadcast), keeping both compressed.
+    """``a @ b`` for operands of 2 or more dims (batch dims broadcast), keeping both compressed
+    (``a`` only when ``b`` needs grad, ``b`` only when ``a`` does; a Parameter as itself).
 
     ``shares``: a tuple ``(a0, b0)`` of the tensors whose existing codes may be reused (the
     operands before the autocast cast; see ``quant.lookup_shared``). A tuple, so that autograd
@@ -244,32 +307,36 @@ class MatMulFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, spec: QuantSpec, shares=(None, None)):
         out = torch.matmul(a, b)
-        quant.save(ctx, _keep(a, spec, share_key=shares[0]), _keep(b, spec, share_key=shares[1]))
+        pa = _keep_operand(a, shares[0], spec) if ctx.needs_input_grad[1] else None
+        pb = _keep_operand(b, shares[1], spec) if ctx.needs_input_grad[0] else None
+        quant.save(ctx, pa, pb)
         ctx.dtypes = (a.dtype, b.dtype)
-        return out
+        ctx.shapes = (a.shape, b.shape)
+        return _fresh(out)
 
     @staticmethod
     @_first_order_only
     def backward(ctx, grad):
         pa, pb = quant.load(ctx)
-        a_dims, b_dims = len(pa.shape), len(pb.shape)
+        a_shape, b_shape = ctx.shapes
+        a_dims, b_dims = len(a_shape), len(b_shape)
         grad_a = grad_b = None
         # Mirror torch.matmul's own folding into one mm when one operand is 2-D, so that the
         # gradients of the exact (debug) mode equal PyTorch's bit for bit.
         if ctx.needs_input_grad[0]:
-            b = quant.dequantize(pb, ctx.dtypes[1])
+            b = _operand(pb, ctx.dtypes[1])
             if a_dims == 2 and b_dims >= 3:
                 bt = b.transpose(-2, -1).reshape(-1, b.shape[-2])
                 gt = grad.transpose(-2, -1).reshape(-1, grad.shape[-2])
                 grad_a = (bt.t() @ gt).t()
             else:
-                grad_a = _sum_to(torch.matmul(grad, b.transpose(-2, -1)), pa.shape)
+                grad_a = _sum_to(torch.matmul(grad, b.transpose(-2, -1)), a_shape)
         if ctx.needs_input_grad[1]:
-            a = quant.dequantize(pa, ctx.dtypes[0])
+            a = _operand(pa, ctx.dtypes[0])
             if b_dims == 2 and a_dims >= 3:
                 grad_b = a.reshape(-1, a.shape[-1]).t() @ grad.reshape(-1, grad.shape[-1])
             else:
-                grad_b = _sum_to(torch.matmul(a.transpose(-2, -1), grad), pb.shape)
+                grad_b = _sum_to(torch.matmul(a.transpose(-2, -1), grad), b_shape)
         return grad_a, grad_b, None, None
 
 
@@ -340,6 +407,7 @@ class SDPAFn(torch.autograd.Function):
             for t, s in zip((q, k, v, out), (qk_spec, qk_spec, spec, spec), strict=True)
         ]
         ctx.orders = [order for _, order in kept]
+        out = _fresh(out)
         # the output, in memory order, is also the projection's input (timm reshapes it to
         # (B, N, C), a view when the backend wrote it (B, N, H, D)-contiguous as cuDNN does)
         quant.share(out, kept[3][0], memory_order=True)

@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.utils import parametrize
 
 from mesa_lite.config import QuantSpec
 from mesa_lite.functions import (
@@ -26,8 +27,8 @@ from mesa_lite.functions import (
     MatMulFn,
     SDPAFn,
     SoftmaxFn,
-    _cast,
-    compute_dtype,
+    autocast_cast,
+    autocast_dtype,
 )
 
 __all__ = [
@@ -41,6 +42,15 @@ __all__ = [
     "softmax",
     "scaled_dot_product_attention",
 ]
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=4)
 
 
 def eager_under_compile(fn):
@@ -61,6 +71,25 @@ def eager_under_compile(fn):
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+def _in_functorch_transform() -> bool:
+    """Inside a torch.func transform (grad, vjp, jacrev, vmap, ...)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def _plain_under_functorch(name: str) -> bool:
+    """True (after a one-time warning) when a compressed path is asked for inside a torch.func
+    transform: mesa_lite's Functions and kernels are not functorch-aware, so the plain torch
+    op runs there (exact, uncompressed)."""
+    if not _in_functorch_transform():
+        return False
+    _warn_once(
+        "functorch",
+        f"mesa_lite: {name} runs as plain torch (uncompressed) inside torch.func transforms "
+        "(grad, vjp, jacrev, vmap); its results are exact there",
+    )
+    return True
 
 
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -91,21 +120,51 @@ class MesaModule:
 
     @classmethod
     def from_module(cls, module: nn.Module, spec: QuantSpec) -> nn.Module:
-        """Converts ``module`` in place into this class and returns it."""
-        module.__dict__["_mesa_orig_cls"] = type(module)
-        module.__class__ = cls
+        """Converts ``module`` in place into this class and returns it.
+
+        A module with ``torch.nn.utils.parametrize`` parametrizations keeps them: its class
+        becomes a parametrized class over this one, with the same parametrized attributes.
+        """
+        module.__dict__["_mesa_orig_cls"] = base_type(module)
+        _set_class(module, cls)
         module.mesa_spec = spec
         return module
 
     def to_original(self) -> nn.Module:
-        """Converts back in place to the class ``from_module`` found."""
+        """Converts back in place to the class ``from_module`` found (parametrizations added or
+        removed since are kept as they are)."""
         orig = self.__dict__.pop("_mesa_orig_cls", None)
         self.__dict__.pop("mesa_spec", None)
         if orig is not None:
-            self.__class__ = orig
+            _set_class(self, orig)
         else:  # built as a mesa_lite module: stays one, exact
             self.mesa_spec = None
         return self
+
+
+def base_type(module: nn.Module) -> type:
+    """The class of ``module`` under torch's parametrization class, if it has one.
+
+    ``register_parametrization`` gives a module a class of its own, ``Parametrized<Class>``,
+    whose only base is the module's class; ``remove_parametrizations`` switches back to it.
+    """
+    cls = type(module)
+    base = cls.__base__
+    if parametrize.is_parametrized(module) and cls.__name__ == f"Parametrized{base.__name__}":
+        return base
+    return cls
+
+
+def _set_class(module: nn.Module, cls: type) -> None:
+    """``module.__class__ = cls``, over a parametrization class if the module has one: a new
+    ``Parametrized<cls>`` holding the same parametrized properties (as torch builds one)."""
+    current = type(module)
+    base = base_type(module)
+    if base is current:
+        module.__class__ = cls
+        return
+    attrs = {k: v for k, v in vars(current).items() if k not in ("__dict__", "__weakref__")}
+    module.__class__ = type(f"Parametrized{cls.__name__}", (cls,), attrs)
 
 
 @eager_under_compile
@@ -116,26 +175,19 @@ def matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec | None) -> torch.Te
     """
     if spec is None or a.dim() < 2 or b.dim() < 2 or not _needs_grad(a, b):
         return torch.matmul(a, b)
-    dtype = compute_dtype("matmul", a.device, a.dtype, b.dtype)
-    return MatMulFn.apply(_cast(a, dtype), _cast(b, dtype), spec, (a, b))
+    if _plain_under_functorch("matmul"):
+        return torch.matmul(a, b)
+    dtype = autocast_dtype("matmul", a.device)
+    bc = autocast_cast(b, dtype)  # b first, as autocast casts (see scaled_dot_product_attention)
+    return MatMulFn.apply(autocast_cast(a, dtype), bc, spec, (a, b))
 
 
 @eager_under_compile
 def softmax(x: torch.Tensor, dim: int, spec: QuantSpec | None) -> torch.Tensor:
     """``torch.softmax(x, dim)`` keeping only the output, as uint8 codes (when x needs grad)."""
-    if spec is None or not _needs_grad(x):
+    if spec is None or not _needs_grad(x) or _plain_under_functorch("softmax"):
         return torch.softmax(x, dim)
-    dtype = compute_dtype("softmax", x.device, x.dtype)
-    return SoftmaxFn.apply(_cast(x, dtype), dim, spec)
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, stacklevel=3)
+    return SoftmaxFn.apply(autocast_cast(x, autocast_dtype("softmax", x.device)), dim, spec)
 
 
 def _sdpa_backend(q, k, v, dropout_p, is_causal, scale) -> int:
@@ -163,12 +215,16 @@ def scaled_dot_product_attention(
     Where PyTorch would pick the math path or an ``attn_mask`` is
     given, the call runs as plain PyTorch, uncompressed, with a one-time warning.
     """
-    if spec is None or not _needs_grad(q, k, v):
+    plain = spec is None or not _needs_grad(q, k, v) or _plain_under_functorch("attention")
+    dtype = None if plain else autocast_dtype("sdpa", q.device)
+    # right to left, as autocast casts them (its C++ argument expansion): when q, k, v are one
+    # tensor, the order of the casts is the order their gradients are summed in
+    vc, kc, qc = autocast_cast(v, dtype), autocast_cast(k, dtype), autocast_cast(q, dtype)
+    if plain or not (qc.dtype == kc.dtype == vc.dtype):  # mixed dtypes: torch's own error
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
         )
-    dtype = compute_dtype("sdpa", q.device, q.dtype)
-    q, k, v = _cast(q, dtype), _cast(k, dtype), _cast(v, dtype)
+    q, k, v = qc, kc, vc
     backend = _sdpa_backend(q, k, v, dropout_p, is_causal, scale) if attn_mask is None else -1
     fused = (SDPA_FLASH,) if q.device.type == "cpu" else (SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN)
     supported = backend in fused
@@ -191,22 +247,27 @@ def scaled_dot_product_attention(
 
 @eager_under_compile
 def _linear(x, weight, bias, spec: QuantSpec) -> torch.Tensor:
-    dtype = compute_dtype("linear", x.device, x.dtype, weight.dtype)
-    return LinearFn.apply(_cast(x, dtype), weight, bias, dtype, spec, (x,))
+    if _plain_under_functorch("Linear"):
+        return F.linear(x, weight, bias)
+    dtype = autocast_dtype("linear", x.device)
+    return LinearFn.apply(autocast_cast(x, dtype), weight, bias, dtype, spec, (x,))
 
 
 @eager_under_compile
 def _gelu(x, approximate: str, spec: QuantSpec) -> torch.Tensor:
-    dtype = compute_dtype("gelu", x.device, x.dtype)
-    return GELUFn.apply(_cast(x, dtype), approximate, spec)
+    if _plain_under_functorch("GELU"):
+        return F.gelu(x, approximate=approximate)
+    xc = autocast_cast(x, autocast_dtype("gelu", x.device))
+    return GELUFn.apply(xc, approximate, spec, (x,))
 
 
 @eager_under_compile
 def _layer_norm(x, shape: tuple, weight, bias, eps: float, spec: QuantSpec) -> torch.Tensor:
-    w_dtypes = [weight.dtype] if weight is not None else []
-    dtype = compute_dtype("layer_norm", x.device, x.dtype, *w_dtypes)
-    w, b = _cast(weight, dtype), _cast(bias, dtype)
-    return LayerNormFn.apply(_cast(x, dtype), shape, w, b, eps, spec)
+    if _plain_under_functorch("LayerNorm"):
+        return F.layer_norm(x, shape, weight, bias, eps)
+    dtype = autocast_dtype("layer_norm", x.device)
+    w, b = autocast_cast(weight, dtype), autocast_cast(bias, dtype)
+    return LayerNormFn.apply(autocast_cast(x, dtype), shape, w, b, eps, spec)
 
 
 class Linear(MesaModule, nn.Linear):
@@ -215,9 +276,10 @@ class Linear(MesaModule, nn.Linear):
     mesa_kind = "linear"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._mesa_active(x, self.weight, self.bias):
-            return super().forward(x)
-        return _linear(x, self.weight, self.bias, self.mesa_spec)
+        weight = self.weight  # once: a parametrized weight is computed on each access
+        if not self._mesa_active(x, weight, self.bias):
+            return F.linear(x, weight, self.bias)
+        return _linear(x, weight, self.bias, self.mesa_spec)
 
 
 class GELU(MesaModule, nn.GELU):
@@ -257,10 +319,11 @@ class LayerNorm(MesaModule, nn.LayerNorm):
     mesa_kind = "layernorm"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._mesa_active(x, self.weight, self.bias):
-            return super().forward(x)
+        weight, bias = self.weight, self.bias  # once: parametrized ones are computed on access
         shape = tuple(self.normalized_shape)
-        return _layer_norm(x, shape, self.weight, self.bias, self.eps, self.mesa_spec)
+        if not self._mesa_active(x, weight, bias):
+            return F.layer_norm(x, shape, weight, bias, self.eps)
+        return _layer_norm(x, shape, weight, bias, self.eps, self.mesa_spec)
 
 
 class MatMul(MesaModule, nn.Module):

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from mesa_lite.config import Config
 from mesa_lite.integrations import timm as _timm
-from mesa_lite.modules import GELU, LayerNorm, Linear, MesaModule, Softmax
+from mesa_lite.modules import GELU, LayerNorm, Linear, MesaModule, Softmax, base_type
 
 __all__ = ["wrap", "unwrap", "register", "wrapped_modules"]
 
@@ -98,7 +98,7 @@ def wrap(
         if isinstance(module, MesaModule):
             already += 1
             continue
-        entry = _REGISTRY.get(type(module))
+        entry = _REGISTRY.get(base_type(module))
         if entry is None or (entry.accepts is not None and not entry.accepts(module)):
             continue
         spec = config.spec_for(name, entry.kind)
