@@ -2,12 +2,13 @@
 
 Autocast: the modules cast the inputs exactly as autocast itself would cast them for each op
 (``autocast_dtype`` gives the op's cast target, ``autocast_cast`` casts one tensor as autocast's
-``cached_cast`` does), outside the Function (so autograd casts the gradients back as autocast's
-own casts would), and the Functions run the same aten op on the cast inputs (autocast, still
-on, then has nothing left to cast). Outside autocast nothing is cast: mixed dtypes reach the
-aten op as they came, so it accepts what torch accepts (an fp32 LayerNorm on bf16 input) and
-raises torch's own error for what torch rejects. Forward outputs are therefore bit-identical
-to PyTorch's, with and without autocast, on any device.
+``cached_cast`` does, without its per-region cache of leaf casts), outside the Function (so
+autograd casts the gradients back as autocast's own casts would), and the Functions run the
+same aten op on the cast inputs (autocast, still on, then has nothing left to cast). Outside
+autocast nothing is cast: mixed dtypes reach the aten op as they came, so it accepts what torch
+accepts (an fp32 LayerNorm on bf16 input) and raises torch's own error for what torch rejects.
+Forward outputs are therefore bit-identical to PyTorch's, with and without autocast, on any
+device.
 
 Each Function keeps only what the gradients asked for need (``ctx.needs_input_grad``): a
 frozen Linear whose input needs grad keeps no copy of that input, as in torch.
@@ -148,7 +149,7 @@ class LinearFn(torch.autograd.Function):
         quant.save(ctx, px, weight if need_w else None)
         ctx.dtype = dtype
         ctx.x_dtype = x.dtype
-        ctx.w_shape_dtype = (weight.shape, weight.dtype)
+        ctx.w_dtype = weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
         ctx.x_col_major = _folded_col_major(x)
         return _fresh(out)
@@ -166,7 +167,7 @@ class LinearFn(torch.autograd.Function):
             grad_x = gx.reshape(*grad.shape[:-1], w.shape[1])
         if ctx.needs_input_grad[1]:
             x2 = quant.dequantize(px, ctx.x_dtype).reshape(-1, px.shape[-1])
-            grad_w = (g2.t() @ x2).to(ctx.w_shape_dtype[1])
+            grad_w = (g2.t() @ x2).to(ctx.w_dtype)
         if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(ctx.b_dtype)
         return grad_x, grad_w, grad_b, None, None, None

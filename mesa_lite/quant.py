@@ -7,8 +7,9 @@ PyTorch's saved-tensor hooks and checkpointing see them.
 
 A ``Packed`` may also carry a recipe that rebuilds a tensor *derived* from the stored one: the
 codes of a GELU's input rebuild the GELU's output (``gelu``), the codes of a LayerNorm's
-normalized input rebuild its output with the affine parameters (``affine``). That is how one
-copy serves two ops (timm's LayerNorm -> Linear and fc1 -> GELU -> fc2).
+normalized input rebuild its output with the affine parameters (``affine``). Steps chain (a
+GELU after a LayerNorm extends its recipe, up to ``MAX_RECIPE_STEPS``). That is how one copy
+serves several ops (timm's LayerNorm -> Linear and fc1 -> GELU -> fc2).
 
 Sharing: a producer registers its fresh output (``share(out, packed)``); a consumer that keeps
 that very tensor, a dense view of the same memory (SDPA's output reshaped for the projection),
