@@ -122,11 +122,16 @@ class MesaModule:
     def from_module(cls, module: nn.Module, spec: QuantSpec) -> nn.Module:
         """Converts ``module`` in place into this class and returns it.
 
-        A module with ``torch.nn.utils.parametrize`` parametrizations keeps them: its class
-        becomes a parametrized class over this one, with the same parametrized attributes.
+        The module stays an instance of its own class: when this class does not already
+        subclass it (a subclass of ``nn.Linear``, timm's ``LayerNorm``), the module takes
+        ``converted_class(cls, its class)``. A module with ``torch.nn.utils.parametrize``
+        parametrizations keeps them: its class becomes a parametrized class over the new
+        one, with the same parametrized attributes.
         """
-        module.__dict__["_mesa_orig_cls"] = base_type(module)
-        _set_class(module, cls)
+        orig = base_type(module)
+        target = converted_class(cls, orig)
+        module.__dict__["_mesa_orig_cls"] = orig
+        _set_class(module, target)
         module.mesa_spec = spec
         return module
 
@@ -153,6 +158,54 @@ def base_type(module: nn.Module) -> type:
     if parametrize.is_parametrized(module) and cls.__name__ == f"Parametrized{base.__name__}":
         return base
     return cls
+
+
+_CONVERTED: dict[tuple[type, type], type] = {}
+
+
+def converted_class(mesa_cls: type, orig: type) -> type:
+    """The class a module of class ``orig`` takes when converted to ``mesa_cls``.
+
+    ``mesa_cls`` itself when it already subclasses ``orig``; otherwise a class over both,
+    ``(mesa_cls, orig)``, built once per pair and named as ``orig`` (``print(model)`` shows
+    the user's class name). Its MRO puts ``mesa_cls``'s forward first and keeps ``orig`` and
+    everything ``orig`` defines besides forward; ``isinstance(module, orig)`` still holds.
+    Pickling and ``copy.deepcopy`` rebuild it through ``_new_converted`` (the class is not a
+    module attribute pickle could find).
+
+    Raises:
+        TypeError: the two classes cannot be combined (a layout or MRO conflict).
+    """
+    if issubclass(mesa_cls, orig):
+        return mesa_cls
+    key = (mesa_cls, orig)
+    cls = _CONVERTED.get(key)
+    if cls is None:
+        cls = type(
+            orig.__name__,
+            (mesa_cls, orig),
+            {
+                "__module__": mesa_cls.__module__,
+                "__qualname__": f"{mesa_cls.__qualname__}[{orig.__module__}.{orig.__qualname__}]",
+                "__reduce_ex__": _reduce_converted,
+                "_mesa_classes": key,
+            },
+        )
+        _CONVERTED[key] = cls
+    return cls
+
+
+def _reduce_converted(self, protocol):
+    # object's own reduction (state, and its errors: torch refuses to pickle parametrized
+    # modules) with the class replaced by the pair that rebuilds it
+    rv = object.__reduce_ex__(self, protocol)
+    return (_new_converted, type(self)._mesa_classes) + tuple(rv[2:])
+
+
+def _new_converted(mesa_cls: type, orig: type) -> nn.Module:
+    """An empty instance of ``converted_class(mesa_cls, orig)``, for unpickling and copies."""
+    cls = converted_class(mesa_cls, orig)
+    return cls.__new__(cls)
 
 
 def _set_class(module: nn.Module, cls: type) -> None:

@@ -2,8 +2,14 @@
 
 Bytes are counted through ``torch.autograd.graph.saved_tensors_hooks``: each storage kept for
 backward is counted once, for the innermost module running when it was first saved. Storages
-of Parameters are left out (they exist with or without training). This is what a forward keeps
-alive until backward; a GPU's peak also holds backward's temporaries, which this does not see.
+of Parameters are left out (they exist with or without training). Casts of Parameters kept for
+backward (under autocast, e.g. the bf16 copy of a Linear weight) are counted apart from the
+activations, as weight copies: they do not grow with the batch, and counted as activations they
+made a small batch's reduction look many times better than the activations' own. This is what
+a forward keeps alive until backward; a GPU's peak also holds backward's temporaries, which
+this does not see.
+
+One convention throughout: reduction = plain / compressed (2.0: half the bytes).
 """
 
 from __future__ import annotations
@@ -18,32 +24,68 @@ import torch.nn as nn
 __all__ = ["MemoryReport", "ModuleRow", "memory_report", "saved_bytes", "plain_model"]
 
 
+def _reduction(plain: int, compressed: int) -> float:
+    """plain / compressed: 1.0 when neither keeps anything, inf when only plain does."""
+    if compressed:
+        return plain / compressed
+    return float("inf") if plain else 1.0
+
+
 @dataclasses.dataclass
 class ModuleRow:
+    """Bytes one module kept for backward (first saved while it was the innermost running).
+
+    Attributes:
+        name: the module's name in ``model.named_modules()`` (``""`` for the root), or its type
+            name in ``MemoryReport.by_kind``.
+        kind: the module's type name.
+        plain_bytes: activations kept with every mesa_lite module running as plain torch.
+        compressed_bytes: activations kept as the model is wrapped.
+        plain_weight_copy_bytes: autocast's low-precision copies of Parameters kept, plain.
+        compressed_weight_copy_bytes: the same, as the model is wrapped.
+    """
+
     name: str
     kind: str
     plain_bytes: int
     compressed_bytes: int
+    plain_weight_copy_bytes: int = 0
+    compressed_weight_copy_bytes: int = 0
+
+    @property
+    def reduction(self) -> float:
+        """plain_bytes / compressed_bytes (inf when the wrapped module keeps nothing)."""
+        return _reduction(self.plain_bytes, self.compressed_bytes)
 
 
 @dataclasses.dataclass
 class MemoryReport:
     """Per-module bytes kept for backward by one forward.
 
+    Activations and weight copies are counted apart. A weight copy is a saved tensor that is
+    a cast of a Parameter: under autocast the plain ops keep the low-precision cast of their
+    weights (e.g. the bf16 copy of a Linear weight), which is neither an activation nor a
+    Parameter storage and does not grow with the batch. Reductions are on activations only.
+
     Attributes:
         rows: one per module that kept anything, in forward order.
-        plain_total: bytes kept with every mesa_lite module running as plain torch.
-        compressed_total: bytes kept as the model is wrapped.
+        plain_total: activation bytes kept with every mesa_lite module running as plain torch.
+        compressed_total: activation bytes kept as the model is wrapped.
+        plain_weight_copy_total: weight-copy bytes kept, plain.
+        compressed_weight_copy_total: weight-copy bytes kept, wrapped.
     """
 
     rows: list[ModuleRow]
     plain_total: int
     compressed_total: int
+    plain_weight_copy_total: int = 0
+    compressed_weight_copy_total: int = 0
 
     @property
-    def ratio(self) -> float:
-        """compressed / plain (1.0 when the plain forward keeps nothing)."""
-        return self.compressed_total / self.plain_total if self.plain_total else 1.0
+    def reduction(self) -> float:
+        """plain_total / compressed_total: how many times fewer activation bytes are kept
+        (1.0 when the plain forward keeps nothing, inf when only it keeps something)."""
+        return _reduction(self.plain_total, self.compressed_total)
 
     def by_kind(self) -> list[ModuleRow]:
         """Rows summed by module type, largest compressed bytes first."""
@@ -52,30 +94,53 @@ class MemoryReport:
             row = acc.setdefault(r.kind, ModuleRow(r.kind, r.kind, 0, 0))
             row.plain_bytes += r.plain_bytes
             row.compressed_bytes += r.compressed_bytes
+            row.plain_weight_copy_bytes += r.plain_weight_copy_bytes
+            row.compressed_weight_copy_bytes += r.compressed_weight_copy_bytes
         return sorted(acc.values(), key=lambda r: -r.compressed_bytes)
 
     def table(self, by_kind: bool = False, top: int | None = None) -> str:
-        """A profiler-style text table (MiB)."""
+        """A profiler-style text table (MiB); "reduction" is plain / mesa, activations only.
+
+        Weight-copy columns appear when either forward kept weight copies.
+        """
         rows = self.by_kind() if by_kind else self.rows
         if top is not None:
             rows = sorted(rows, key=lambda r: -r.compressed_bytes)[:top]
+        copies = bool(self.plain_weight_copy_total or self.compressed_weight_copy_total)
         head = "module type" if by_kind else "module"
         width = max([len(head), len("total")] + [len(r.name or "(root)") for r in rows])
-        lines = [
-            f"{head:<{width}}  {'type':<16} {'plain MiB':>10} {'mesa MiB':>10} {'ratio':>7}",
-            "-" * (width + 48),
-        ]
-        for r in rows:
-            ratio = f"{r.compressed_bytes / r.plain_bytes:.2f}" if r.plain_bytes else "-"
-            lines.append(
-                f"{r.name or '(root)':<{width}}  {r.kind[:16]:<16} {r.plain_bytes / 2**20:>10.2f} "
-                f"{r.compressed_bytes / 2**20:>10.2f} {ratio:>7}"
+        cols = f"{'plain MiB':>10} {'mesa MiB':>10} {'reduction':>9}"
+        if copies:
+            cols += f" {'plain wcopy MiB':>15} {'mesa wcopy MiB':>14}"
+        rule = "-" * (width + 19 + len(cols))
+
+        def line(r: ModuleRow) -> str:
+            plain, comp = r.plain_bytes, r.compressed_bytes
+            red = f"{r.reduction:.2f}" if plain or comp else "-"
+            text = (
+                f"{r.name:<{width}}  {r.kind[:16]:<16} {plain / 2**20:>10.2f} "
+                f"{comp / 2**20:>10.2f} {red:>9}"
             )
-        lines.append("-" * (width + 48))
-        lines.append(
-            f"{'total':<{width}}  {'':<16} {self.plain_total / 2**20:>10.2f} "
-            f"{self.compressed_total / 2**20:>10.2f} {self.ratio:>7.2f}"
-        )
+            if copies:
+                text += (
+                    f" {r.plain_weight_copy_bytes / 2**20:>15.2f}"
+                    f" {r.compressed_weight_copy_bytes / 2**20:>14.2f}"
+                )
+            return text
+
+        lines = [f"{head:<{width}}  {'type':<16} {cols}", rule]
+        lines += [line(dataclasses.replace(r, name=r.name or "(root)")) for r in rows]
+        lines.append(rule)
+        total = ModuleRow(
+            "total", "", self.plain_total, self.compressed_total,
+            self.plain_weight_copy_total, self.compressed_weight_copy_total,
+        )  # fmt: skip
+        lines.append(line(total))
+        if copies:
+            lines.append(
+                "wcopy: autocast's low-precision casts of Parameters kept for backward; "
+                "not in the reduction"
+            )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -97,12 +162,59 @@ def plain_model(model: nn.Module) -> Iterator[nn.Module]:
             m.mesa_spec = spec
 
 
-def _attribute(model: nn.Module, fn) -> tuple[dict[str, int], int, object]:
-    """Runs ``fn()`` and returns ({module name: bytes first saved inside it}, total, result)."""
+def _weight_copy_test(model: nn.Module):
+    """A predicate: is a saved tensor (or the tensor it views) a cast of one of ``model``'s
+    Parameters?
+
+    A cast of a Parameter that requires grad is recognized by its grad_fn: a
+    ``ToCopyBackward0`` whose one input is that Parameter's ``AccumulateGrad``. A frozen
+    Parameter's cast has no grad_fn; it is recognized by shape, device and values: equal to
+    ``p.to(t.dtype)`` for a frozen Parameter ``p`` of another dtype (so a saved tensor that
+    does not need grad and equals such a cast bit for bit would be taken for one).
+    """
+    params = list(model.parameters())
+    storages = {p.untyped_storage().data_ptr() for p in params}
+    frozen = [p for p in params if not p.requires_grad and p.is_floating_point()]
+
+    def is_copy(t: torch.Tensor) -> bool:
+        base = t._base if t._base is not None else t
+        fn = base.grad_fn
+        if fn is not None:
+            if fn.name() != "ToCopyBackward0" or len(fn.next_functions) != 1:
+                return False
+            var = getattr(fn.next_functions[0][0], "variable", None)
+            return var is not None and var.untyped_storage().data_ptr() in storages
+        if base.requires_grad or not base.is_floating_point():
+            return False
+        return any(
+            p.shape == base.shape
+            and p.device == base.device
+            and p.dtype != base.dtype
+            and _cast_equal(p, base)
+            for p in frozen
+        )
+
+    return is_copy
+
+
+def _cast_equal(p: torch.Tensor, t: torch.Tensor) -> bool:
+    """``p.to(t.dtype)`` equals ``t``; the first elements first, as many frozen weights (a LoRA
+    model's) share one shape."""
+    head = min(t.numel(), 64)
+    p, flat = p.detach(), t.reshape(-1)
+    if not torch.equal(p.reshape(-1)[:head].to(t.dtype), flat[:head]):
+        return False
+    return torch.equal(p.to(t.dtype), t)
+
+
+def _attribute(model: nn.Module, fn) -> tuple[dict[str, list[int]], int, int, object]:
+    """Runs ``fn()`` and returns ({module name: [activation bytes, weight-copy bytes] first
+    saved inside it}, activation total, weight-copy total, result)."""
     names = {m: n for n, m in model.named_modules()}
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    is_copy = _weight_copy_test(model)
     stack: list[str] = []
-    seen: dict[int, tuple[str, int]] = {}
+    seen: dict[int, tuple[str, int, bool]] = {}
 
     def pre(m, _args):
         stack.append(names[m])
@@ -114,7 +226,7 @@ def _attribute(model: nn.Module, fn) -> tuple[dict[str, int], int, object]:
         st = t.untyped_storage()
         key = st.data_ptr()
         if key not in skip and key not in seen:
-            seen[key] = (stack[-1] if stack else "", st.nbytes())
+            seen[key] = (stack[-1] if stack else "", st.nbytes(), is_copy(t))
         # detach: returning a saved output itself would tie it to its own grad_fn, a reference
         # cycle through C++ that Python's GC cannot see, and leak the whole graph
         return t.detach()
@@ -127,16 +239,36 @@ def _attribute(model: nn.Module, fn) -> tuple[dict[str, int], int, object]:
     finally:
         for h in handles:
             h.remove()
-    per: dict[str, int] = {}
-    for name, nbytes in seen.values():
-        per[name] = per.get(name, 0) + nbytes
-    return per, sum(per.values()), out
+    per: dict[str, list[int]] = {}
+    for name, nbytes, copy in seen.values():
+        per.setdefault(name, [0, 0])[copy] += nbytes
+    acts = sum(v[0] for v in per.values())
+    copies = sum(v[1] for v in per.values())
+    return per, acts, copies, out
 
 
-def saved_bytes(model: nn.Module, *inputs, autocast: torch.dtype | None = None, **kwargs) -> int:
-    """Bytes one training-mode forward of ``model`` keeps for backward (Parameters excluded)."""
-    _, total, _ = _attribute(model, lambda: _forward(model, inputs, kwargs, autocast))
-    return total
+def saved_bytes(
+    model: nn.Module,
+    *inputs,
+    autocast: torch.dtype | None = None,
+    weight_copies: bool = True,
+    **kwargs,
+) -> int:
+    """Bytes one training-mode forward of ``model`` keeps for backward (Parameters excluded).
+
+    Args:
+        model: the model, run as it is (wrapped or not).
+        inputs: positional inputs of the forward (kwargs are passed on too).
+        autocast: run the forward under ``torch.autocast`` with this dtype.
+        weight_copies: count autocast's low-precision copies of Parameters kept for backward
+            (what the forward keeps alive); False counts activations only, as
+            ``MemoryReport.compressed_total`` does.
+
+    Returns:
+        Bytes of the unique storages kept.
+    """
+    _, acts, copies, _ = _attribute(model, lambda: _forward(model, inputs, kwargs, autocast))
+    return acts + copies if weight_copies else acts
 
 
 def _forward(model, inputs, kwargs, autocast):
@@ -154,6 +286,10 @@ def memory_report(
 ) -> MemoryReport:
     """Runs one training-mode forward plain and one compressed; reports bytes kept per module.
 
+    Activations and autocast's weight copies (low-precision casts of Parameters kept for
+    backward) are reported apart; ``MemoryReport.reduction`` is plain / compressed on
+    activations.
+
     Args:
         model: a (wrapped) model; it is put in train mode for the two forwards and restored.
         example_inputs: positional inputs of the forward (kwargs are passed on too).
@@ -167,11 +303,11 @@ def memory_report(
     model.train()
     try:
         with plain_model(model):
-            plain, plain_total, out = _attribute(
+            plain, plain_total, plain_copies, out = _attribute(
                 model, lambda: _forward(model, example_inputs, kwargs, autocast)
             )
         del out
-        comp, comp_total, out = _attribute(
+        comp, comp_total, comp_copies, out = _attribute(
             model, lambda: _forward(model, example_inputs, kwargs, autocast)
         )
         del out
@@ -179,8 +315,11 @@ def memory_report(
         model.train(was_training)
     kinds = {n: type(m).__name__ for n, m in model.named_modules()}
     order = [n for n, _ in model.named_modules() if n in plain or n in comp]
-    rows = [ModuleRow(n, kinds[n], plain.get(n, 0), comp.get(n, 0)) for n in order]
-    report = MemoryReport(rows, plain_total, comp_total)
+    rows = []
+    for n in order:
+        p, c = plain.get(n, [0, 0]), comp.get(n, [0, 0])
+        rows.append(ModuleRow(n, kinds[n], p[0], c[0], p[1], c[1]))
+    report = MemoryReport(rows, plain_total, comp_total, plain_copies, comp_copies)
     if print_table:
         print(report.table())
         print()

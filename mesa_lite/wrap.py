@@ -1,19 +1,45 @@
-"""The model walk: ``wrap`` converts supported layers in place, ``unwrap`` converts them back."""
+"""The model walk: ``wrap`` converts supported layers in place, ``unwrap`` converts them back.
+
+``wrap`` logs one summary line through ``logging.getLogger("mesa_lite")``: what it converted,
+per layer kind and setting, what the user left exact ("left exact by config": kinds outside
+``Config.layers``, ``overrides`` with ``enabled=False``, ``filter_fn`` returning False), and the
+supported-looking modules it skipped, with the reason (a subclass with its own forward, a
+module an ``accepts`` predicate rejects, such as timm's LayerNorm on its fast-norm path).
+
+The line is at INFO level when nothing was skipped that the user did not ask to skip, at
+WARNING level otherwise. Python shows WARNING records on stderr without any set-up; to see the
+INFO line too, configure logging, e.g. ``logging.basicConfig(level=logging.INFO)``, or, for
+mesa_lite's records only, ``logging.basicConfig()`` and
+``logging.getLogger("mesa_lite").setLevel(logging.INFO)`` (a level alone is not enough: with
+no handler configured Python prints only WARNING and above).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import logging
 import warnings
+from collections import Counter
 from collections.abc import Callable
 
 import torch.nn as nn
 
-from mesa_lite.config import Config
+from mesa_lite.config import LAYER_KINDS, Config, QuantSpec
 from mesa_lite.integrations import timm as _timm
-from mesa_lite.modules import GELU, LayerNorm, Linear, MesaModule, Softmax, base_type
+from mesa_lite.modules import (
+    GELU,
+    LayerNorm,
+    Linear,
+    MesaModule,
+    Softmax,
+    base_type,
+    converted_class,
+)
 
 __all__ = ["wrap", "unwrap", "register", "wrapped_modules"]
+
+logger = logging.getLogger("mesa_lite")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,9 +47,11 @@ class _Entry:
     mesa_cls: type
     kind: str
     accepts: Callable[[nn.Module], bool] | None = None
+    reason: str | None = None
 
 
-# Exact types only: a subclass may compute something else in its forward.
+# By type; a subclass of a registered type is converted when it keeps that type's forward
+# (``_lookup``), as it then computes the same thing.
 _REGISTRY: dict[type, _Entry] = {
     nn.Linear: _Entry(Linear, "linear"),
     nn.GELU: _Entry(GELU, "gelu"),
@@ -32,23 +60,38 @@ _REGISTRY: dict[type, _Entry] = {
 }
 
 
+# Subclasses that keep their base's forward but whose owner never calls it: converting them would
+# change nothing, and the summary would claim coverage that is not there.
+_NOT_CALLED: dict[type, str] = {}
+_ndq = getattr(nn.modules.linear, "NonDynamicallyQuantizableLinear", None)
+if _ndq is not None:
+    _NOT_CALLED[_ndq] = "nn.MultiheadAttention's out_proj: its weight is used, not its forward"
+
+
 def register(
     orig_type: type,
     mesa_cls: type,
     kind: str,
     accepts: Callable[[nn.Module], bool] | None = None,
+    reason: str | None = None,
 ) -> None:
-    """Maps ``orig_type`` (exact type) to a mesa_lite class for ``wrap``.
+    """Maps ``orig_type`` to a mesa_lite class for ``wrap``.
+
+    Subclasses of ``orig_type`` are converted too when neither they nor any class between them
+    and ``orig_type`` override ``forward``; the others are skipped and named in ``wrap``'s log.
+    Register a subclass explicitly when its own forward computes the same thing.
 
     Args:
         orig_type: the module type to convert.
         mesa_cls: a MesaModule subclass of a compatible torch module.
         kind: its layer kind (one of ``config.LAYER_KINDS``), for ``Config.layers``.
-        accepts: optional predicate; modules it rejects are left alone.
+        accepts: optional predicate; modules it rejects are left alone (and reported).
+        reason: what a module ``accepts`` rejects has, for ``wrap``'s log (e.g.
+            ``"fast-norm path on"``); the predicate's name by default.
     """
     if not (isinstance(mesa_cls, type) and issubclass(mesa_cls, MesaModule)):
         raise TypeError(f"mesa_cls must be a MesaModule subclass, got {mesa_cls!r}")
-    _REGISTRY[orig_type] = _Entry(mesa_cls, kind, accepts)
+    _REGISTRY[orig_type] = _Entry(mesa_cls, kind, accepts, reason)
 
 
 for _args in _timm.registrations():
@@ -56,8 +99,72 @@ for _args in _timm.registrations():
 
 
 def wrapped_modules(model: nn.Module) -> dict[str, MesaModule]:
-    """The converted modules of ``model`` by name."""
+    """The mesa_lite modules of ``model`` by name.
+
+    Args:
+        model: any module.
+
+    Returns:
+        ``{name: module}`` for every mesa_lite module in ``model.named_modules()`` order, with
+        the names ``named_modules`` gives (``""`` for the root): the modules ``wrap`` converted
+        and the mesa_lite modules built directly. Each carries its setting in ``mesa_spec``
+        (None: exact).
+
+    Example::
+
+        >>> model = mesa_lite.wrap(nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.ReLU()))
+        >>> {n: m.mesa_spec.describe() for n, m in mesa_lite.wrapped_modules(model).items()}
+        {'0': 'int8 g128 nearest', '1': 'int8 g128 nearest'}
+    """
     return {n: m for n, m in model.named_modules() if isinstance(m, MesaModule)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What ``wrap`` does with one module in its original class."""
+
+    kind: str
+    entry: _Entry | None = None  # set: convert with ``spec``
+    spec: QuantSpec | None = None
+    skip: str | None = None  # set: skipped for this reason (the user did not ask for it)
+
+
+def _lookup(cls: type) -> tuple[type, _Entry] | None:
+    """The nearest registered class in ``cls``'s MRO and its entry."""
+    for k in cls.__mro__:
+        entry = _REGISTRY.get(k)
+        if entry is not None:
+            return k, entry
+    return None
+
+
+def _plan(
+    name: str,
+    module: nn.Module,
+    config: Config,
+    filter_fn: Callable[[str, nn.Module], bool] | None,
+) -> _Plan | None:
+    """None for a module wrap has nothing to do with; else convert, exact by config, or skip."""
+    cls = base_type(module)
+    found = _lookup(cls)
+    if found is None:
+        return None
+    registered, entry = found
+    spec = config.spec_for(name, entry.kind)
+    if spec is None or (filter_fn is not None and not filter_fn(name, module)):
+        return _Plan(entry.kind)  # left exact by config
+    if cls in _NOT_CALLED:
+        return _Plan(entry.kind, skip=_NOT_CALLED[cls])
+    if cls.forward is not registered.forward:
+        return _Plan(entry.kind, skip=f"subclass of {registered.__name__} with its own forward")
+    if entry.accepts is not None and not entry.accepts(module):
+        why = entry.reason or f"rejected by {getattr(entry.accepts, '__qualname__', 'accepts')}"
+        return _Plan(entry.kind, skip=why)
+    try:
+        converted_class(entry.mesa_cls, cls)
+    except TypeError as e:
+        return _Plan(entry.kind, skip=f"cannot combine with {entry.mesa_cls.__name__}: {e}")
+    return _Plan(entry.kind, entry, spec)
 
 
 def wrap(
@@ -68,13 +175,27 @@ def wrap(
     """Converts the supported layers of ``model`` in place to keep compressed activations.
 
     Parameters, buffers, hooks and state_dict keys stay as they are (each module keeps its
-    identity; only its class changes). Modules already converted are left as they are, so
-    wrapping twice changes nothing; ``unwrap`` first to apply another config.
+    identity; only its class changes, and the module stays an instance of its own class).
+    A subclass of a supported type is converted when it keeps that type's ``forward``; one
+    with its own ``forward`` is skipped and reported.
+
+    On a model already wrapped, ``wrap`` applies ``config`` anew: the result equals
+    ``wrap(unwrap(model), config, filter_fn)``, with the same module objects (modules the new
+    config excludes go back to their own class, the others carry the new setting). Wrapping
+    twice with the same config changes nothing. mesa_lite modules built directly (not
+    converted by ``wrap``) keep their own setting.
+
+    Logs one summary line through ``logging.getLogger("mesa_lite")`` (INFO, or WARNING when a
+    supported-looking module was skipped for a reason other than ``config``/``filter_fn``),
+    e.g. ``mesa_lite.wrap: converted 5 modules of Net (linear 3, layernorm 1, gelu 1) at
+    int8 g128 nearest; skipped 2: LayerNorm2d x2 (subclass of LayerNorm with its own
+    forward)``. See this module's docstring for how to see INFO records.
 
     Args:
         model: any module; the root itself is converted if it is a supported layer.
         config: what to compress and how; ``Config()`` by default.
-        filter_fn: optional ``(name, module) -> bool``; False leaves that module exact.
+        filter_fn: optional ``(name, module) -> bool``; False leaves that module exact. It sees
+            each module in its own class (a wrapped one is switched back while it decides).
 
     Returns:
         ``model``.
@@ -93,26 +214,114 @@ def wrap(
                 f"Config.overrides: {pattern!r} matches no module of the model "
                 f"(names are those of model.named_modules(), e.g. {names[1:4]})"
             )
-    converted = already = 0
+    converted: Counter[str] = Counter()
+    specs: Counter[str] = Counter()
+    exact: Counter[str] = Counter()
+    skipped: Counter[tuple[str, str]] = Counter()
+    built = before = changed = back = 0
     for name, module in modules:
+        prev = prev_base = None
         if isinstance(module, MesaModule):
-            already += 1
+            if "_mesa_orig_cls" not in module.__dict__:
+                built += 1  # built as a mesa_lite module: its own setting
+                continue
+            # decide as on the unwrapped module, and put it back as it was if nothing changes
+            before += 1
+            prev = (type(module), module.mesa_spec, module.__dict__["_mesa_orig_cls"])
+            prev_base = base_type(module)
+            module.to_original()
+        try:
+            plan = _plan(name, module, config, filter_fn)
+        except BaseException:
+            if prev is not None:
+                _restore(module, *prev)
+            raise
+        if plan is None or plan.entry is None:
+            if plan is not None and plan.skip is None:
+                exact[plan.kind] += 1
+            elif plan is not None:
+                skipped[(base_type(module).__name__, plan.skip)] += 1
+            back += prev is not None  # a wrapped module the new config excludes: stays exact
             continue
-        entry = _REGISTRY.get(base_type(module))
-        if entry is None or (entry.accepts is not None and not entry.accepts(module)):
-            continue
-        spec = config.spec_for(name, entry.kind)
-        if spec is None or (filter_fn is not None and not filter_fn(name, module)):
-            continue
-        entry.mesa_cls.from_module(module, spec)
-        converted += 1
-    if converted == 0 and already == 0:
+        target = converted_class(plan.entry.mesa_cls, base_type(module))
+        if prev is not None and prev_base is target:
+            same = prev[1] == plan.spec
+            _restore(module, prev[0], prev[1] if same else plan.spec, prev[2])
+            changed += not same
+        else:
+            plan.entry.mesa_cls.from_module(module, plan.spec)
+            changed += prev is not None
+        converted[plan.kind] += 1
+        specs[plan.spec.describe()] += 1
+    if not converted and not built and not exact:
         warnings.warn(
             f"mesa_lite.wrap: {type(model).__name__} has no supported layers "
-            f"(supported: {sorted(t.__name__ for t in _REGISTRY)}); it is returned unchanged",
+            f"(supported: {_supported_names()}); it is returned unchanged",
             stacklevel=2,
         )
+    line = _summary(
+        type(model).__name__, converted, specs, exact, skipped, built, (before, changed, back)
+    )
+    logger.log(logging.WARNING if skipped else logging.INFO, line)
     return model
+
+
+def _restore(module: nn.Module, cls: type, spec: QuantSpec, orig: type) -> None:
+    """Puts a module ``to_original`` switched back into its converted class and setting."""
+    module.__class__ = cls
+    module.__dict__["_mesa_orig_cls"] = orig
+    module.mesa_spec = spec
+
+
+def _kinds(counts: Counter[str]) -> str:
+    """``linear 24, gelu 12``: most first, ties in ``LAYER_KINDS`` order."""
+    order = {k: i for i, k in enumerate(LAYER_KINDS)}
+    items = sorted(counts.items(), key=lambda kv: (-kv[1], order.get(kv[0], len(order)), kv[0]))
+    return ", ".join(f"{k} {n}" for k, n in items)
+
+
+def _summary(
+    model_name: str,
+    converted: Counter[str],
+    specs: Counter[str],
+    exact: Counter[str],
+    skipped: Counter[tuple[str, str]],
+    built: int,
+    rewrap: tuple[int, int, int],
+) -> str:
+    n = sum(converted.values())
+    line = f"mesa_lite.wrap: converted {n} module{'' if n == 1 else 's'} of {model_name}"
+    if n:
+        line += f" ({_kinds(converted)}) at "
+        if len(specs) == 1:
+            line += next(iter(specs))
+        else:
+            line += ", ".join(f"{s} x{c}" for s, c in specs.most_common())
+    before, changed, back = rewrap
+    if before:
+        line += (
+            f"; re-wrap: {before} converted before, {changed} given a new setting, "
+            f"{back} back to their own class"
+        )
+    if exact:
+        line += f"; left exact by config {sum(exact.values())} ({_kinds(exact)})"
+    if built:
+        line += f"; {built} built as mesa_lite modules keep their own setting"
+    if skipped:
+        parts = [f"{t} x{c} ({why})" for (t, why), c in skipped.most_common()]
+        line += f"; skipped {sum(skipped.values())}: " + ", ".join(parts)
+    return line
+
+
+def _supported_names() -> list[str]:
+    """Registered types by import path (torch's and timm's share names such as GELU)."""
+
+    def path(t: type) -> str:
+        if getattr(nn, t.__name__, None) is t:
+            return f"torch.nn.{t.__name__}"
+        return f"{t.__module__}.{t.__qualname__}"
+
+    return sorted({path(t) for t in _REGISTRY})
 
 
 def unwrap(model: nn.Module) -> nn.Module:

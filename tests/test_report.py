@@ -1,5 +1,6 @@
 """memory_report: per-module bytes kept for backward, totals checked independently."""
 
+import copy
 import gc
 
 import torch
@@ -47,7 +48,18 @@ def test_totals_match_independent_count(capsys):
     )
     # one copy per tensor: fc1 rebuilds its input from the LayerNorm's codes, fc2 from GELU's
     assert all(r.compressed_bytes == 0 for r in report.rows if r.kind == "Linear")
-    assert 0.1 < report.ratio < 0.18
+    # one convention: reduction = plain / compressed, for the totals and for each row
+    assert report.reduction == plain / comp
+    assert 5.5 < report.reduction < 10
+    assert gelu.reduction == gelu.plain_bytes / gelu.compressed_bytes
+    assert not hasattr(report, "ratio")
+    header = printed.splitlines()[0].split()
+    assert header[-1] == "reduction" and "ratio" not in printed
+    total = next(line for line in printed.splitlines() if line.startswith("total"))
+    assert total.split()[-1] == f"{plain / comp:.2f}"
+    # no autocast: no weight copies, and no weight-copy columns
+    assert report.plain_weight_copy_total == report.compressed_weight_copy_total == 0
+    assert "wcopy" not in printed
 
 
 def test_report_restores_mode_and_specs():
@@ -65,6 +77,71 @@ def test_report_under_autocast():
     )
     assert r.plain_total > r.compressed_total > 0
     assert "total" in r.table(by_kind=True, top=2)
+
+
+class Head(nn.Module):
+    """Linear layers under bf16 autocast; the last one frozen (its weight cast has no grad_fn)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(64, 256)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(256, 64)
+        self.frozen = nn.Linear(64, 32).requires_grad_(False)
+
+    def forward(self, x):
+        return self.frozen(self.fc2(self.act(self.fc1(x))))
+
+
+def test_autocast_weight_copies_are_counted_apart(capsys):
+    """Under autocast the plain Linear keeps the bf16 cast of its weight: a weight copy, not an
+    activation; the reduction is on activations only."""
+    torch.manual_seed(0)
+    plain = Head()
+    model = mesa_lite.wrap(copy.deepcopy(plain))
+    x = torch.randn(3, 10, 64, requires_grad=True)  # fc1's input needs grad: its weight is kept
+    report = mesa_lite.memory_report(model, x, autocast=torch.bfloat16)
+    printed = capsys.readouterr().out
+    weights = [plain.fc1.weight, plain.fc2.weight, plain.frozen.weight]
+    assert report.plain_weight_copy_total == sum(w.numel() * 2 for w in weights)
+    rows = {r.name: r for r in report.rows}
+    for name in ("fc1", "fc2", "frozen"):
+        assert rows[name].plain_weight_copy_bytes == getattr(plain, name).weight.numel() * 2
+    # wrapped Linears keep their weight as the Parameter itself
+    assert report.compressed_weight_copy_total == 0
+    # activations, counted independently: everything kept except Parameters, less the copies
+    n = x.numel() // 64
+
+    def run(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return m(x)
+
+    everything, _ = saved_activation_bytes(lambda: run(plain), plain.parameters())
+    assert report.plain_total == everything - report.plain_weight_copy_total
+    # bf16 casts: fc1's input, GELU's input, fc2's input (the frozen layer keeps no input)
+    assert report.plain_total == n * (64 + 256 + 256) * 2
+    comp, _ = saved_activation_bytes(lambda: run(model), model.parameters())
+    assert report.compressed_total == comp
+    assert report.reduction == report.plain_total / comp
+    assert saved_bytes(model, x, autocast=torch.bfloat16) == comp
+    assert saved_bytes(plain, x, autocast=torch.bfloat16) == everything
+    assert saved_bytes(plain, x, autocast=torch.bfloat16, weight_copies=False) == (
+        report.plain_total
+    )
+    assert "plain wcopy MiB" in printed and "not in the reduction" in printed
+
+
+def test_cast_of_an_input_leaf_is_an_activation():
+    """A cast of a leaf that is not a Parameter (the input, needing grad) is an activation,
+    though its grad_fn is a ToCopyBackward0 of an AccumulateGrad too; even with the shape and
+    values of the weight."""
+    model = nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    x_like_weight = model.weight.detach().clone().requires_grad_()
+    for inp in (x, x_like_weight):
+        r = mesa_lite.memory_report(model, inp, autocast=torch.bfloat16, print_table=False)
+        assert r.plain_weight_copy_total == 16 * 16 * 2
+        assert r.plain_total == inp.numel() * 2
 
 
 def _live_tensors() -> int:

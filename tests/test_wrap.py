@@ -1,14 +1,20 @@
-"""wrap/unwrap and Config: in place, idempotent, same Parameters and state_dict, clear errors."""
+"""wrap/unwrap and Config: in place, idempotent, same Parameters and state_dict, clear errors;
+subclasses of supported types, re-wrapping with another Config, and the summary wrap logs."""
 
 import copy
 import dataclasses
+import importlib.util
 import io
+import logging
+import pickle
+import re
 import warnings
 
 import pytest
 import torch
 import torch.nn as nn
-from conftest import assert_equal
+from conftest import assert_equal, sqnr_db
+from torch.nn.utils import parametrize
 
 import mesa_lite
 from mesa_lite import Config, QuantSpec
@@ -50,9 +56,11 @@ def test_wrap_in_place_keeps_parameters_and_keys():
 def test_wrap_is_idempotent_and_unwrap_restores():
     net = Net()
     mesa_lite.wrap(net)
-    specs = {n: m.mesa_spec for n, m in mesa_lite.wrapped_modules(net).items()}
-    mesa_lite.wrap(net, Config(group_size=64))  # already converted: unchanged
-    assert {n: m.mesa_spec for n, m in mesa_lite.wrapped_modules(net).items()} == specs
+    before = {n: (type(m), m.mesa_spec) for n, m in mesa_lite.wrapped_modules(net).items()}
+    mesa_lite.wrap(net)  # same config: nothing changes, not even the spec objects
+    after = {n: (type(m), m.mesa_spec) for n, m in mesa_lite.wrapped_modules(net).items()}
+    assert after.keys() == before.keys()
+    assert all(after[n][0] is c and after[n][1] is s for n, (c, s) in before.items())
     mesa_lite.unwrap(net)
     assert mesa_lite.wrapped_modules(net) == {}
     assert type(net.fc1) is nn.Linear and type(net.norm) is nn.LayerNorm
@@ -181,19 +189,287 @@ def test_config_is_frozen():
 
 def test_no_supported_layers_warns_and_returns_unchanged():
     net = nn.Sequential(nn.ReLU(), nn.Conv2d(3, 3, 1))
-    with pytest.warns(UserWarning, match="no supported layers"):
+    with pytest.warns(UserWarning, match="no supported layers") as caught:
         out = mesa_lite.wrap(net)
     assert out is net and not any(isinstance(m, MesaModule) for m in net.modules())
+    # torch's and timm's GELU and LayerNorm share their names: listed by import path, once
+    listed = re.search(r"supported: \[(.*)\]", str(caught[0].message)).group(1).split(", ")
+    listed = [n.strip("'") for n in listed]
+    assert len(listed) == len(set(listed))
+    assert {"torch.nn.GELU", "torch.nn.LayerNorm", "torch.nn.Linear", "torch.nn.Softmax"} <= set(
+        listed
+    )
+    if importlib.util.find_spec("timm") is not None:
+        assert {"timm.layers.activations.GELU", "timm.layers.norm.LayerNorm"} <= set(listed)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mesa_lite.wrap(mesa_lite.wrap(nn.Linear(2, 2)))  # already wrapped: no warning
 
 
-def test_subclasses_are_not_taken_for_their_base():
-    class MyLinear(nn.Linear):
-        def forward(self, x):
-            return super().forward(x) * 2
+# ---- subclasses of supported types ------------------------------------------------------------
+# at module level, so that whole models holding them pickle
 
-    net = nn.Sequential(MyLinear(4, 4), nn.Linear(4, 4))
+
+class KeepsForward(nn.Linear):
+    """A user subclass that keeps nn.Linear's forward (adds only a helper)."""
+
+    def scaled_weight(self):
+        return self.weight * 2
+
+
+class KeepsForwardToo(KeepsForward):
+    pass
+
+
+class OwnForward(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class InheritsOwnForward(OwnForward):
+    """No forward of its own, but its parent's is not nn.Linear's."""
+
+
+def _sub_net():
+    torch.manual_seed(0)
+    return nn.Sequential(KeepsForward(32, 64), nn.GELU(), KeepsForwardToo(64, 10))
+
+
+def _grads(model, x):
+    x = x.clone().requires_grad_()
+    model.zero_grad()
+    out = model(x)
+    (out * torch.linspace(-1, 1, out.shape[-1])).square().sum().backward()
+    return out, [x.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["debug_exact", "int8"])
+def test_subclass_keeping_forward_is_converted(exact, caplog):
+    plain = _sub_net()
+    net = copy.deepcopy(plain)
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        mesa_lite.wrap(net, Config(debug_exact=exact))
+    for m, cls in ((net[0], KeepsForward), (net[2], KeepsForwardToo)):
+        assert isinstance(m, cls) and isinstance(m, mesa_lite.Linear)
+        assert type(m).__name__ == cls.__name__
+    assert "KeepsForward(in_features=32, out_features=64, bias=True, mesa=" in repr(net)
+    assert_equal(net[0].scaled_weight(), plain[0].scaled_weight(), "subclass method")
+    [record] = caplog.records
+    assert record.levelno == logging.INFO
+    setting = "exact (debug, no compression)" if exact else "int8 g128 nearest"
+    assert record.getMessage() == (
+        f"mesa_lite.wrap: converted 3 modules of Sequential (linear 2, gelu 1) at {setting}"
+    )
+    x = torch.randn(8, 32)
+    y_ref, g_ref = _grads(plain, x)
+    y, g = _grads(net, x)
+    assert_equal(y, y_ref, "forward")
+    for i, (a, b) in enumerate(zip(g_ref, g, strict=True)):
+        if exact:
+            assert_equal(b, a, f"grad {i}")
+        else:
+            assert 30 <= sqnr_db(a, b), f"grad {i}: {sqnr_db(a, b):.1f} dB"
+    if not exact:  # the weight gradients come from the int8 copies of the inputs
+        assert sqnr_db(g_ref[1], g[1]) < float("inf") and sqnr_db(g_ref[3], g[3]) < float("inf")
+    mesa_lite.unwrap(net)
+    assert type(net[0]) is KeepsForward and type(net[2]) is KeepsForwardToo
+
+
+def test_converted_subclass_pickles_copies_and_rewraps():
+    net = mesa_lite.wrap(_sub_net())
+    cls = type(net[0])
+    x = torch.randn(4, 32)
+    for copied in (
+        pickle.loads(pickle.dumps(net)),
+        copy.deepcopy(net),
+        torch.load(io.BytesIO(_saved(net)), weights_only=False),
+    ):
+        assert type(copied[0]) is cls and copied[0].mesa_spec == net[0].mesa_spec
+        assert copied[0].weight is not net[0].weight
+        assert_equal(copied(x), net(x), "copy's forward")
+        assert type(mesa_lite.unwrap(copied)[0]) is KeepsForward
     mesa_lite.wrap(net)
-    assert type(net[0]) is MyLinear and type(net[1]) is mesa_lite.Linear
+    assert type(net[0]) is cls  # one class per (mesa_lite class, user class) pair
+
+
+def _saved(model) -> bytes:
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    return buf.getvalue()
+
+
+def test_parametrized_subclass_keeps_its_class_through_wrap_and_unwrap():
+    torch.manual_seed(0)
+    plain = nn.Sequential(KeepsForward(8, 8))
+    parametrize.register_parametrization(plain[0], "weight", _Symmetric())
+    net = mesa_lite.wrap(copy.deepcopy(plain), Config(debug_exact=True))
+    assert isinstance(net[0], KeepsForward) and isinstance(net[0], mesa_lite.Linear)
+    assert parametrize.is_parametrized(net[0], "weight")
+    cls = type(net[0])
+    mesa_lite.wrap(net, Config(debug_exact=True))
+    assert type(net[0]) is cls
+    x = torch.randn(4, 8)
+    for a, b in zip(_grads(plain, x)[1], _grads(net, x)[1], strict=True):
+        assert_equal(b, a)
+    mesa_lite.unwrap(net)
+    parametrize.remove_parametrizations(net[0], "weight")
+    assert type(net[0]) is KeepsForward
+
+
+class _Symmetric(nn.Module):
+    def forward(self, w):
+        return w.triu() + w.triu(1).transpose(-1, -2)
+
+
+@pytest.mark.parametrize("cls", [OwnForward, InheritsOwnForward], ids=lambda c: c.__name__)
+def test_subclass_with_own_forward_is_skipped_and_reported(cls, caplog):
+    net = nn.Sequential(cls(4, 4), nn.Linear(4, 4), cls(4, 4))
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        mesa_lite.wrap(net)
+    assert type(net[0]) is cls and type(net[2]) is cls and type(net[1]) is mesa_lite.Linear
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == (
+        "mesa_lite.wrap: converted 1 module of Sequential (linear 1) at int8 g128 nearest; "
+        f"skipped 2: {cls.__name__} x2 (subclass of Linear with its own forward)"
+    )
+
+
+def test_multihead_attention_out_proj_is_reported_not_converted(caplog):
+    """A subclass of nn.Linear that keeps its forward, but nn.MultiheadAttention never calls
+    it: converting it would claim coverage that is not there."""
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        mesa_lite.wrap(layer)
+    assert type(layer.self_attn.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+    assert set(mesa_lite.wrapped_modules(layer)) == {"linear1", "linear2", "norm1", "norm2"}
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().endswith(
+        "; skipped 1: NonDynamicallyQuantizableLinear x1 "
+        "(nn.MultiheadAttention's out_proj: its weight is used, not its forward)"
+    )
+
+
+def test_subclass_left_exact_by_config_is_not_a_warning(caplog):
+    net = nn.Sequential(OwnForward(4, 4), nn.GELU(), nn.Linear(4, 4))
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        mesa_lite.wrap(net, Config(layers={"gelu"}))
+    [record] = caplog.records
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == (
+        "mesa_lite.wrap: converted 1 module of Sequential (gelu 1) at int8 g128 nearest; "
+        "left exact by config 2 (linear 2)"
+    )
+
+
+# ---- timm's types -----------------------------------------------------------------------------
+
+
+def test_timm_linear_classifier_of_mobilenetv3_is_converted(caplog):
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    plain = timm.create_model("mobilenetv3_small_050", pretrained=False, num_classes=7)
+    model = copy.deepcopy(plain)
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        mesa_lite.wrap(model)
+    [record] = caplog.records
+    assert record.levelno == logging.INFO
+    assert record.getMessage() == (
+        "mesa_lite.wrap: converted 1 module of MobileNetV3 (linear 1) at int8 g128 nearest"
+    )
+    assert set(mesa_lite.wrapped_modules(model)) == {"classifier"}
+    assert isinstance(model.classifier, timm.layers.Linear)
+    assert isinstance(model.classifier, mesa_lite.Linear)
+    x = torch.randn(2, 3, 32, 32)
+    y_ref, g_ref = _grads(plain, x)
+    y, g = _grads(model, x)
+    assert_equal(y, y_ref, "forward")
+    for i, (a, b) in enumerate(zip(g_ref, g, strict=True)):
+        assert 30 <= sqnr_db(a, b), f"grad {i}: {sqnr_db(a, b):.1f} dB"
+    # the classifier's weight gradient comes from its int8 input
+    assert sqnr_db(plain.classifier.weight.grad, model.classifier.weight.grad) < float("inf")
+    mesa_lite.unwrap(model)
+    assert type(model.classifier) is timm.layers.Linear
+
+
+def test_timm_fast_norm_layernorm_is_skipped_with_its_reason(caplog):
+    timm = pytest.importorskip("timm")
+    net = nn.Sequential(timm.layers.LayerNorm(8), timm.layers.LayerNorm(8))
+    net[1]._fast_norm = True
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        mesa_lite.wrap(net)
+    assert isinstance(net[0], mesa_lite.LayerNorm) and isinstance(net[0], timm.layers.LayerNorm)
+    assert type(net[1]) is timm.layers.LayerNorm
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().endswith("; skipped 1: LayerNorm x1 (timm fast-norm path on)")
+
+
+# ---- re-wrapping ------------------------------------------------------------------------------
+
+
+def _classes_and_specs(model):
+    return {n: (type(m), getattr(m, "mesa_spec", None)) for n, m in model.named_modules()}
+
+
+def test_rewrap_applies_the_new_config_to_the_same_modules(caplog):
+    torch.manual_seed(0)
+    plain = Net()
+    net = mesa_lite.wrap(copy.deepcopy(plain), Config(overrides={"sub.0": {"enabled": False}}))
+    objects = dict(net.named_modules())
+    new = Config(bits=4, overrides={"fc2": {"enabled": False}})
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        assert mesa_lite.wrap(net, new) is net
+    assert all(m is objects[n] for n, m in net.named_modules())
+    fresh = mesa_lite.wrap(copy.deepcopy(plain), new)
+    assert _classes_and_specs(net) == _classes_and_specs(fresh)
+    assert type(net.fc2) is nn.Linear and not hasattr(net.fc2, "mesa_spec")
+    assert type(net.sub[0]) is mesa_lite.Linear
+    assert net.fc1.mesa_spec == QuantSpec(bits=4) and net.fc1.mesa_spec.rounding == "stochastic"
+    assert "Linear(in_features=32, out_features=64, bias=True, mesa=int4 g128 stochastic)" in repr(
+        net
+    )
+    assert "int8" not in repr(net)
+    [record] = caplog.records
+    assert record.getMessage() == (
+        "mesa_lite.wrap: converted 5 modules of Net (linear 2, gelu 1, softmax 1, layernorm 1) "
+        "at int4 g128 stochastic; re-wrap: 5 converted before, 4 given a new setting, "
+        "1 back to their own class; left exact by config 1 (linear 1)"
+    )
+    # it trains, with gradients close to the exact ones at 4 bits
+    x = torch.randn(16, 32)
+    y_ref, g_ref = _grads(plain, x)
+    y, g = _grads(net, x)
+    assert_equal(y, y_ref, "forward")
+    for i, (a, b) in enumerate(zip(g_ref, g, strict=True)):
+        assert torch.isfinite(b).all(), f"grad {i}"
+        assert 10 <= sqnr_db(a, b), f"grad {i}: {sqnr_db(a, b):.1f} dB"
+
+
+def test_rewrap_equals_wrap_of_unwrapped_with_filter_fn_and_subclasses():
+    """filter_fn sees modules in their own class on a re-wrap, as after unwrap."""
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), KeepsForward(4, 4), nn.GELU(), OwnForward(4, 4))
+
+    def only_exact_linear(name, m):
+        return type(m) in (nn.Linear, nn.GELU)
+
+    net = mesa_lite.wrap(build(), Config(group_size=32))
+    mesa_lite.wrap(net, Config(bits=2), only_exact_linear)
+    fresh = mesa_lite.wrap(build(), Config(bits=2), only_exact_linear)
+    assert _classes_and_specs(net) == _classes_and_specs(fresh)
+    assert type(net[0]) is mesa_lite.Linear and type(net[1]) is KeepsForward
+
+
+def test_summary_counts_kinds_and_is_info(caplog):
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        mesa_lite.wrap(Net(), Config(overrides={"fc2": {"bits": 4}}))
+    [record] = caplog.records
+    assert record.name == "mesa_lite" and record.levelno == logging.INFO
+    assert record.getMessage() == (
+        "mesa_lite.wrap: converted 6 modules of Net (linear 3, gelu 1, softmax 1, layernorm 1) "
+        "at int8 g128 nearest x5, int4 g128 stochastic x1"
+    )

@@ -1,4 +1,4 @@
-"""timm integration: timm's LayerNorm, GELU and vision-transformer ``Attention``.
+"""timm integration: timm's Linear, LayerNorm, GELU and vision-transformer ``Attention``.
 
 timm's ``Attention`` computes ``q @ k^T``, softmax and ``attn @ v`` inline when its fused
 attention is off; the subclass here does the same computation through mesa_lite's matmul and
@@ -41,21 +41,34 @@ def _resolve_mask(n: int, attn: torch.Tensor, attn_mask, is_causal: bool):
     return attn_mask
 
 
-def registrations() -> list[tuple[type, type, str, object]]:
-    """(timm type, mesa_lite class, kind, accepts(module) or None) for ``wrap``'s registry."""
+def _plain_layer_norm(module: nn.Module) -> bool:
+    """timm's LayerNorm is F.layer_norm unless its fast-norm (apex) path is on."""
+    return not getattr(module, "_fast_norm", False)
+
+
+def registrations() -> list[tuple[type, type, str, object, str | None]]:
+    """(timm type, mesa_lite class, kind, accepts(module) or None, why accepts rejects) for
+    ``wrap``'s registry."""
     if _tl is None:
         return []
-    from mesa_lite.modules import GELU, LayerNorm
+    from mesa_lite.modules import GELU, LayerNorm, Linear
 
-    regs = [(_TimmAttention, Attention, "attention", None)]
+    regs = [(_TimmAttention, Attention, "attention", None, None)]
     if hasattr(_tl, "LayerNorm"):
-        # timm's LayerNorm is F.layer_norm unless its fast-norm (apex) path is on.
         regs.append(
-            (_tl.LayerNorm, LayerNorm, "layernorm", lambda m: not getattr(m, "_fast_norm", False))
+            (_tl.LayerNorm, LayerNorm, "layernorm", _plain_layer_norm, "timm fast-norm path on")
         )
     gelu = getattr(getattr(_tl, "activations", None), "GELU", None)
     if gelu is not None and gelu is not nn.GELU:
-        regs.append((gelu, GELU, "gelu", None))
+        regs.append((gelu, GELU, "gelu", None, None))
+    linear = getattr(_tl, "Linear", None)
+    if linear is not None and linear is not nn.Linear:
+        # timm's Linear (MobileNetV3/EfficientNet classifiers) overrides forward only for
+        # TorchScript: when torch.jit.is_scripting() it casts weight and bias to the input's
+        # dtype, otherwise it is F.linear(input, weight, bias), nn.Linear's forward. A
+        # converted module is never scripted (mesa_lite's modules are not scriptable; script
+        # the unwrapped model), so the branch it drops is one that cannot run.
+        regs.append((linear, Linear, "linear", None, None))
     return regs
 
 
