@@ -42,8 +42,22 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "mesa-lite-deit-memory=mesa_lite.benchmarks.deit_memory:main",
-            "mesa-lite-train-deit=mesa_lite.benchmarks.train_deit:main",
+            # each benchmark script, installed: mesa-lite-deit-memory runs deit_memory.py
+            *(
+                f"mesa-lite-{name.replace('_', '-')}=mesa_lite.benchmarks.{name}:main"
+                for name in (
+                    "ablate",
+                    "accuracy",
+                    "deit_memory",
+                    "grad_fidelity",
+                    "peak_memory",
+                    "profile_step",
+                    "quant_bandwidth",
+                    "train_deit",
+                )
+            ),  # fmt: skip
+            # timm's own train.py with wrap applied (see the README)
+            "mesa-lite-timm-train=mesa_lite.timm_train:main",
         ]
     },
 )

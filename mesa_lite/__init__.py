@@ -2,31 +2,75 @@
 
 import mesa_lite
 mesa_lite.wrap(model)   # in place; forward unchanged, backward from int8 copies
+
+The names below are loaded on first use (PEP 562), so ``import mesa_lite`` alone imports
+neither torch nor timm: command-line tools built on it answer ``--help`` at once.
 """
 
-from mesa_lite import report
-from mesa_lite.config import LAYER_KINDS, Config, QuantSpec
-from mesa_lite.modules import GELU, LayerNorm, Linear, MatMul, Softmax
-from mesa_lite.report import MemoryReport, memory_report
-from mesa_lite.wrap import register, unwrap, wrap, wrapped_modules
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "LAYER_KINDS",
-    "Config",
-    "GELU",
-    "LayerNorm",
-    "Linear",
-    "MatMul",
-    "MemoryReport",
-    "QuantSpec",
-    "Softmax",
-    "__version__",
-    "memory_report",
-    "report",
-    "register",
-    "unwrap",
-    "wrap",
-    "wrapped_modules",
-]
+# public name -> the module that defines it ("" for a submodule of that name)
+_WHERE = {
+    "LAYER_KINDS": "mesa_lite.config",
+    "Config": "mesa_lite.config",
+    "QuantSpec": "mesa_lite.config",
+    "GELU": "mesa_lite.modules",
+    "LayerNorm": "mesa_lite.modules",
+    "Linear": "mesa_lite.modules",
+    "MatMul": "mesa_lite.modules",
+    "Softmax": "mesa_lite.modules",
+    "MemoryReport": "mesa_lite.report",
+    "memory_report": "mesa_lite.report",
+    "register": "mesa_lite.wrap",
+    "unwrap": "mesa_lite.wrap",
+    "wrap": "mesa_lite.wrap",
+    "wrapped_modules": "mesa_lite.wrap",
+    "report": "",
+}
+
+__all__ = sorted([*_WHERE, "__version__"])
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads these
+    from mesa_lite import report  # noqa: F401
+    from mesa_lite.config import LAYER_KINDS, Config, QuantSpec  # noqa: F401
+    from mesa_lite.modules import GELU, LayerNorm, Linear, MatMul, Softmax  # noqa: F401
+    from mesa_lite.report import MemoryReport, memory_report  # noqa: F401
+    from mesa_lite.wrap import register, unwrap, wrap, wrapped_modules  # noqa: F401
+
+
+def __getattr__(name: str):
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'mesa_lite' has no attribute {name!r}")
+    value = (
+        importlib.import_module(f"mesa_lite.{name}")
+        if where == ""
+        else getattr(importlib.import_module(where), name)
+    )
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """Keeps ``mesa_lite.wrap`` the function: importing the submodule ``mesa_lite.wrap``
+    (``from mesa_lite.wrap import register``) makes Python set the package attribute ``wrap``
+    to that module, which would shadow the function of the same name."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "wrap" and isinstance(value, types.ModuleType):
+            value = value.wrap
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -1,0 +1,270 @@
+"""Run timm's own ``train.py`` with ``mesa_lite.wrap`` applied to the model it trains.
+
+``train.py`` (pytorch-image-models' training script, not part of the timm package) builds its
+model with ``from timm.models import create_model``. This launcher replaces
+``timm.create_model`` and ``timm.models.create_model`` before ``train.py`` runs, so the first
+model created is wrapped right after creation: before ``train.py`` moves it to the device,
+enables gradient checkpointing or channels-last, copies it for model EMA, compiles it or wraps
+it in DDP. Then it runs ``train.py`` in this process as ``__main__``. The launcher's options
+come before the path to ``train.py``; everything after the path is ``train.py``'s own:
+
+    python -m mesa_lite.timm_train --mesa-bits 8 path/to/train.py --data-dir /data/imagenet \\
+        --model deit_small_patch16_224 --amp ...
+    python -m mesa_lite.timm_train --mesa-off path/to/train.py ...   # the plain baseline
+    torchrun --nproc_per_node 8 -m mesa_lite.timm_train path/to/train.py ...
+
+- Only the first model is wrapped: the one ``train.py`` trains. A later one (the frozen teacher
+  that ``--distill-model`` creates) is returned unchanged; it runs without gradients, where
+  wrapped layers would run the plain op anyway.
+- The model EMA (``--model-ema``) is a deep copy of the wrapped model; it runs in eval mode
+  without gradients, so its wrapped layers run the plain torch op.
+- ``wrap`` keeps Parameters and state_dict keys: checkpoints load into an unwrapped model, and
+  ``--resume`` and ``--initial-checkpoint`` work as usual.
+- ``--torchcompile`` compiles the wrapped model (its layers run as eager islands);
+  ``--torchscript`` cannot script mesa_lite's layers and is refused before training starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import runpy
+import sys
+from collections.abc import Callable, Sequence
+
+# Light on purpose (no torch, no timm): --help and bad options answer at once.
+from mesa_lite.config import LAYER_KINDS, ROUNDINGS, SUPPORTED_BITS, Config
+
+__all__ = ["main", "parse_args", "install_hook"]
+
+_PROG = "python -m mesa_lite.timm_train"
+_SCRIPT = "mesa-lite-timm-train"  # the console entry point
+# Launcher options that take exactly one value (for splitting argv at train.py's path).
+_ONE_VALUE = ("--mesa-bits", "--mesa-group-size", "--mesa-rounding")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.name != "overrides"}
+_DEFAULT_LAYERS = [k for k in LAYER_KINDS if k in _DEFAULTS["layers"]]
+_OPTIONS = {
+    f: "--mesa-" + f.replace("_", "-") for f in ("bits", "group_size", "rounding", "layers")
+}
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Options with their defaults; description and examples as written."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    # `python -m` would show the file name; the console script shows its own name
+    script = os.path.basename(sys.argv[0])
+    prog = _SCRIPT if script.startswith(_SCRIPT) else _PROG
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=(
+            "Run timm's train.py (from the pytorch-image-models repository) with\n"
+            "mesa_lite.wrap applied to the model it creates. Options before the path to\n"
+            "train.py are the launcher's; everything after it goes to train.py unchanged."
+        ),
+        epilog=(
+            "examples:\n"
+            f"  {prog} --mesa-bits 8 pytorch-image-models/train.py \\\n"
+            "      --data-dir /data/imagenet --model deit_small_patch16_224 --amp ...\n"
+            f"  {prog} --mesa-off pytorch-image-models/train.py ...   # baseline\n"
+            "  torchrun --nproc_per_node 8 -m mesa_lite.timm_train \\\n"
+            "      pytorch-image-models/train.py ...   # 8 GPUs"
+        ),
+        formatter_class=_HelpFormatter,
+        allow_abbrev=False,  # the argv split below knows only the full option names
+    )
+    p.add_argument(
+        "--mesa-bits", type=int, choices=SUPPORTED_BITS, default=_DEFAULTS["bits"],
+        help="code width of the activations kept for backward",
+    )  # fmt: skip
+    p.add_argument(
+        "--mesa-group-size", type=int, default=_DEFAULTS["group_size"], metavar="N",
+        help="elements per absmax scale (a multiple of 8 // bits)",
+    )  # fmt: skip
+    p.add_argument(
+        "--mesa-rounding", choices=ROUNDINGS, default=_DEFAULTS["rounding"],
+        help="rounding of the codes (default: %(default)s: nearest at 8 bits, stochastic below)",
+    )  # fmt: skip
+    p.add_argument(
+        "--mesa-layers", nargs="+", choices=LAYER_KINDS, default=_DEFAULT_LAYERS,
+        metavar="KIND", help=f"layer kinds to wrap, from {list(LAYER_KINDS)}",
+    )  # fmt: skip
+    p.add_argument(
+        "--mesa-off", action="store_true",
+        help="do not wrap: run train.py unchanged, for the baseline through the same launcher "
+        "(the other --mesa-* options are still checked)",
+    )  # fmt: skip
+    p.add_argument(
+        "train_py", nargs="?", default=argparse.SUPPRESS, metavar="TRAIN_PY",
+        help="path to timm's train.py",
+    )  # fmt: skip
+    p.add_argument(
+        "train_args", nargs=argparse.REMAINDER, metavar="...", help="train.py's own arguments"
+    )
+    return p
+
+
+def _ends_layer_kinds(arg: str) -> bool:
+    # After --mesa-layers: an option or train.py's path ends the kinds. A bad kind is kept,
+    # for argparse to name it.
+    if arg in LAYER_KINDS:
+        return False
+    return arg.startswith("-") or arg.endswith(".py") or os.path.isfile(arg)
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(launcher options, [train.py path, train.py args...]) split at the path.
+
+    The path is the first argument that is not a launcher option or its value; ``--`` may
+    also end the launcher options. ``--mesa-layers`` takes the arguments after it up to an
+    option, a name ending in ``.py`` or an existing file.
+    """
+    argv = list(argv)
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return argv[:i], argv[i + 1 :]
+        if not arg.startswith("-") or arg == "-":
+            return argv[:i], argv[i:]
+        i += 1
+        if "=" in arg:
+            continue
+        if arg in _ONE_VALUE:
+            i += 1
+        elif arg == "--mesa-layers":
+            while i < len(argv) and not _ends_layer_kinds(argv[i]):
+                i += 1
+    return argv, []
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Config]:
+    """Parses the launcher's options; exits with status 2 and a message on a bad one.
+
+    Args:
+        argv: the arguments after the program name; ``sys.argv[1:]`` by default.
+
+    Returns:
+        (namespace with ``train_py``, ``train_args`` and the options, validated Config).
+    """
+    p = _parser()
+    own, rest = _split_argv(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(own)
+    if not rest:
+        p.error("the path to timm's train.py is required (after the launcher's options)")
+    args.train_py, args.train_args = rest[0], rest[1:]
+    if not os.path.isfile(args.train_py):
+        p.error(f"train.py not found: {args.train_py!r}")
+    try:
+        config = Config(
+            bits=args.mesa_bits,
+            group_size=args.mesa_group_size,
+            rounding=args.mesa_rounding,
+            layers=frozenset(args.mesa_layers),
+        )
+    except (TypeError, ValueError) as e:  # Config's message starts with the field's name
+        option = _OPTIONS.get(str(e).split(" ", 1)[0], "--mesa-*")
+        p.error(f"argument {option}: {e}")
+    return args, config
+
+
+def _describe(config: Config) -> str:
+    # Config's own repr prints a frozenset, whose order changes from run to run.
+    return (
+        f"Config(bits={config.bits}, group_size={config.group_size}, "
+        f"rounding={config.rounding}, layers={sorted(config.layers)})"
+    )
+
+
+def _say(msg: str) -> None:
+    # One line per run, not one per process under torchrun.
+    if os.environ.get("RANK", "0") == "0":
+        print(f"mesa_lite.timm_train: {msg}", file=sys.stderr, flush=True)
+
+
+def install_hook(config: Config) -> Callable[[], None]:
+    """Replaces ``timm.create_model`` and ``timm.models.create_model`` so that the first model
+    created is wrapped with ``config`` right after creation; later ones are returned unchanged.
+
+    It must be in place before ``train.py`` runs, as ``train.py`` binds the name with
+    ``from timm.models import create_model`` when it is imported.
+
+    Args:
+        config: the Config to wrap the first model with.
+
+    Returns:
+        a function that puts the replaced functions back.
+    """
+    import timm
+    import timm.models
+
+    import mesa_lite
+
+    saved = timm.create_model, timm.models.create_model
+    original = timm.models.create_model
+    while getattr(original, "_mesa_lite_hook", False):  # installed twice: wrap the real one
+        original = original.__wrapped__
+    first: list[str] = []
+
+    @functools.wraps(original)
+    def create_model(model_name, *args, **kwargs):
+        if not first and kwargs.get("scriptable"):
+            # torch.jit.script cannot compile autograd Functions; fail before training starts.
+            raise SystemExit(
+                "mesa_lite.timm_train: error: --torchscript (scriptable=True) cannot script "
+                "mesa_lite's layers; use --torchcompile instead, or --mesa-off"
+            )
+        model = original(model_name, *args, **kwargs)
+        if first:
+            # train.py trains the first model; later ones (a distillation teacher) are frozen
+            # and run in eval mode, where wrapped layers would run the plain op anyway.
+            _say(f"not wrapping {model_name}: only the first model ({first[0]}) is wrapped")
+            return model
+        first.append(str(model_name))
+        mesa_lite.wrap(model, config)
+        n = len(mesa_lite.wrapped_modules(model))
+        _say(f"wrapped {model_name} ({n} layers) with {_describe(config)}")
+        return model
+
+    create_model._mesa_lite_hook = True
+    timm.create_model = timm.models.create_model = create_model
+
+    def restore() -> None:
+        timm.create_model, timm.models.create_model = saved
+
+    return restore
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point: parses the launcher's options, installs the hook, runs train.py.
+
+    train.py runs in this process, as ``__main__``, with ``sys.argv`` set to
+    ``[train.py, train.py's args...]``; ``sys.argv``, ``sys.path`` and timm's
+    ``create_model`` are put back when it returns, so ``main`` can run again in-process.
+
+    Args:
+        argv: the arguments after the program name; ``sys.argv[1:]`` by default.
+    """
+    args, config = parse_args(argv)
+    if args.mesa_off:
+        _say("--mesa-off: running train.py without mesa_lite")
+        restore = None
+    else:
+        restore = install_hook(config)
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [args.train_py, *args.train_args]
+    # as `python train.py` would: train.py's own folder first on the import path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(args.train_py)))
+    try:
+        runpy.run_path(args.train_py, run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        if restore is not None:
+            restore()
+
+
+if __name__ == "__main__":
+    main()
