@@ -1,6 +1,19 @@
-"""Whole model: timm DeiT-Tiny wrapped vs plain, fused attention on and off."""
+"""Whole model: timm DeiT-Tiny wrapped vs plain, fused attention on and off.
+
+On a GPU the full model at batch 8. On CPU the same model cut to 2 of its 12 blocks at batch
+2: the same patch embedding, head, and blocks (width 192, 3 heads, 197 tokens), at a 24th of
+the compute. The full model took ~30 s a test on CPUs without native bf16, where bf16 autocast
+is emulated (issue 11). Every figure the tests check was measured on both sizes (CPU, bf16
+autocast, 2026-11-30):
+
+    8 bits           median / worst gradient SQNR  42.6 / 36.9 dB full,  42.3 / 39.3 cut
+    explicit attention, kept / plain's: fp32        19% full,  25% cut (the image's share grows)
+                                        bf16        31% full,  31% cut
+    low bits: see LOW_BIT_FLOORS; kept / 8-bit's is the same at both sizes (to 0.5%)
+"""
 
 import copy
+import functools
 import statistics
 
 import pytest
@@ -12,15 +25,27 @@ import mesa_lite
 
 pytest.importorskip("timm")
 
-BATCH = 8
+# device type: (blocks, batch)
+SIZES = {"cpu": (2, 2), "cuda": (12, 8)}
+
+
+@functools.cache
+def _built(fused: bool, device_type: str):
+    """DeiT-Tiny as benchmarks/deit_memory.make_model builds it (seed 0, train mode), with
+    SIZES' depth; built once per session, _deit hands out copies."""
+    import timm
+
+    torch.manual_seed(0)
+    depth = SIZES[device_type][0]
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False, depth=depth)
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = fused
+    return model.train()
 
 
 def _deit(fused: bool, device):
-    from benchmarks.deit_memory import make_model
-
-    return make_model("deit_tiny_patch16_224", "fused" if fused else "explicit", "amp", 224).to(
-        device
-    )
+    return copy.deepcopy(_built(fused, device.type)).to(device)
 
 
 def _step(model, x, y, device, dtype):
@@ -32,9 +57,10 @@ def _step(model, x, y, device, dtype):
 
 
 def _inputs(device):
+    batch = SIZES[device.type][1]
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(BATCH, 3, 224, 224, generator=g).to(device)
-    y = torch.randint(0, 1000, (BATCH,), generator=g).to(device)
+    x = torch.randn(batch, 3, 224, 224, generator=g).to(device)
+    y = torch.randint(0, 1000, (batch,), generator=g).to(device)
     return x, y
 
 
@@ -104,9 +130,13 @@ def test_deit_tiny_explicit_attention_bytes_kept(dtype, limit, device):
     assert ratio <= limit, f"{ratio:.1%} of the plain model's bytes (limit {limit:.0%})"
 
 
-# Whole-model gradient SQNR of one backward below 8 bits (stochastic rounding), DeiT-Tiny,
-# batch 8, CPU bf16 autocast, measured 2026-11-30: 4 bits median 19.0 / worst 13.3 dB,
+# Whole-model gradient SQNR of one backward below 8 bits (stochastic rounding), CPU bf16
+# autocast, measured 2026-11-30 on DeiT-Tiny at batch 8: 4 bits median 19.0 / worst 13.3 dB,
 # 2 bits median 1.1 / worst -4.9 dB (fused and explicit attention alike). Floors below those.
+# The 2-block cut at batch 2 this test runs gives the same (seed 0, fused / explicit): 4 bits
+# 19.7 / 12.7 and 19.8 / 13.0 dB, 2 bits 1.9 / -4.5 and 2.5 / -4.2 dB; over six seeds of
+# weights, input and rounding its lowest were 18.6 / 10.9 and 1.8 / -6.0 dB, native and
+# emulated bf16 alike.
 LOW_BIT_FLOORS = {4: (16.0, 10.0), 2: (-1.0, -8.0)}
 
 
@@ -126,8 +156,13 @@ def test_deit_tiny_low_bits(fused, bits):
     median = statistics.median(v for v, _ in db)
     floor_median, floor_min = LOW_BIT_FLOORS[bits]
     assert median >= floor_median and db[0][0] >= floor_min, (median, db[:5])
-    kept8, _ = saved_activation_bytes(
-        lambda: mesa_lite.wrap(copy.deepcopy(plain))(x), plain.parameters()
-    )
-    kept, _ = saved_activation_bytes(lambda: wrapped(x), wrapped.parameters())
+    # What each model keeps beyond its own parameters and the input (both exist anyway; the
+    # image, kept by the patch embedding's conv, would weigh more in the cut model than in the
+    # full one). Measured 4 / 2 bits: 0.61 / 0.42 of the 8-bit model's with fused attention,
+    # 0.52 / 0.28 explicit, at both sizes. (Until issue 11 the 8-bit count skipped the plain
+    # model's parameters instead of its copy's, so the copy's weights counted as kept: 0.43 /
+    # 0.32 and 0.40 / 0.24 at full size, a looser check than the limits meant.)
+    int8 = mesa_lite.wrap(copy.deepcopy(plain))
+    kept8, _ = saved_activation_bytes(lambda: int8(x), [*int8.parameters(), x])
+    kept, _ = saved_activation_bytes(lambda: wrapped(x), [*wrapped.parameters(), x])
     assert kept < kept8 * {4: 0.7, 2: 0.55}[bits], (kept, kept8)
