@@ -48,6 +48,7 @@ setup(
                 for name in (
                     "ablate",
                     "accuracy",
+                    "coverage",
                     "deit_memory",
                     "grad_fidelity",
                     "peak_memory",

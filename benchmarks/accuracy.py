@@ -1,15 +1,17 @@
-"""Accuracy with and without mesa_lite: paired training runs on real data.
+r"""Accuracy with and without mesa_lite: paired training runs on real data.
 
 Default: scikit-learn's bundled handwritten digits (1,797 real 8x8 images, no download), a fixed
 stratified 80/20 train/test split, a small timm VisionTransformer sized for 8x8 inputs, AdamW
-with a cosine schedule, autocast (bf16 on CPU, fp16 with GradScaler on a GPU). For every seed,
+with a cosine schedule, autocast (fp16 with GradScaler on a GPU; on a CPU bf16 where it has
+native bf16, else fp32). For every seed,
 plain AMP and each mesa_lite width start from the same initial weights and see the same batches
 in the same order (a dedicated generator), so differences come from the compression alone.
 
 With ``--data-path`` (an ImageNet-layout folder, ``train/`` and ``val/``) and ``--model``, the
 same comparison runs on a user's data with a timm model, for a Mesa-style ImageNet study.
 
-Writes one JSON line per run and a markdown table of mean and spread per configuration:
+Writes one JSON line per run and a markdown table of mean and spread per configuration (into a
+fresh runs/ folder unless --out names a prefix):
 
     python benchmarks/accuracy.py                        # digits, plain + 8/4/2 bits, 5 seeds
     python benchmarks/accuracy.py --bits 8 --seeds 0 1 2 --epochs 20
@@ -27,40 +29,67 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"
 
 import mesa_lite
 
-from .common import RESULTS, argument_parser, environment, markdown_table, read_jsonl, write_jsonl
+from .common import (
+    Outputs,
+    add_device_argument,
+    add_dtype_argument,
+    add_out_argument,
+    argument_parser,
+    autocast,
+    environment,
+    lazy_import,
+    markdown_table,
+    progress,
+    read_jsonl,
+    resolve_device,
+    say,
+    torch_dtype,
+    write_jsonl,
+)
+
+torch = lazy_import("torch")
+F = lazy_import("torch.nn.functional")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (no heavy import: ``--help`` answers at once)."""
     p = argument_parser(__doc__)
-    p.add_argument("--data-path", type=Path, default=None, help="ImageNet-layout folder")
-    p.add_argument("--model", default=None, help="timm model name (with --data-path)")
+    p.add_argument("--data-path", type=Path, default=None,
+                   help="ImageNet-layout folder (train/ and val/); without it: digits")  # fmt: skip
+    p.add_argument("--model", default=None, help="timm model name (needed with --data-path)")
     p.add_argument("--img-size", type=int, default=224, help="with --data-path: input size")
     p.add_argument("--workers", type=int, default=4, help="with --data-path: loader workers")
     p.add_argument(
         "--bits", nargs="*", type=int, choices=[8, 4, 2], default=[8, 4, 2],
-        help="mesa_lite widths to compare with plain AMP",
+        help="mesa_lite widths to compare with plain training, one run each per seed",
     )  # fmt: skip
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
-    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=[0, 1, 2, 3, 4],
+        help="paired seeds: each gives every config the same init and batches",
+    )
+    p.add_argument("--epochs", type=int, default=30, help="training epochs per run")
     p.add_argument("--depth", type=int, default=4, help="digits ViT: blocks")
     p.add_argument("--embed-dim", type=int, default=64, help="digits ViT: width (4 heads)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--weight-decay", type=float, default=0.05)
-    p.add_argument("--amp-dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="default: fp16 on a GPU, bf16 on CPU")  # fmt: skip
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--config", default=None, help="extra mesa_lite.Config fields: key=value,...")
-    p.add_argument("--out", type=Path, default=RESULTS / "accuracy_digits")
+    p.add_argument("--batch-size", type=int, default=64, help="images per step")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay)")
+    p.add_argument("--weight-decay", type=float, default=0.05, help="AdamW weight decay")
+    add_dtype_argument(p, aliases=("--amp-dtype",))
+    add_device_argument(p)
+    p.add_argument(
+        "--config",
+        default=None,
+        help="extra mesa_lite.Config fields for the mesa runs: key=value,...",
+    )
+    add_out_argument(p, "accuracy", "PREFIX.jsonl and PREFIX.md")
     p.add_argument(
         "--control",
         action="store_true",
@@ -72,10 +101,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="train nothing: summarize the runs in these JSON-lines files (e.g. seeds run in "
         "parallel processes) into --out",
     )  # fmt: skip
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no line per run, no progress bar")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
-    if args.amp_dtype is None:
-        args.amp_dtype = "fp16" if args.device.startswith("cuda") else "bf16"
+    if args.from_jsonl:
+        return args
+    resolve_device(args)
     return args
 
 
@@ -117,7 +152,7 @@ def parse_config(text: str | None) -> dict:
 def train_once(model, data, args, seed: int, device) -> dict:
     """Trains ``model`` in place; returns final test accuracy (%) and the last train loss."""
     x_tr, y_tr, x_te, y_te = (t.to(device) for t in data)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[args.amp_dtype]
+    dtype = torch_dtype(args.dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     order = torch.Generator().manual_seed(10_000 + seed)  # same batches for every config
@@ -131,9 +166,7 @@ def train_once(model, data, args, seed: int, device) -> dict:
             b = perm[i : i + args.batch_size]
             for g in opt.param_groups:
                 g["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * step / total))
-            with torch.autocast(
-                device.type, dtype=dtype or torch.float32, enabled=dtype is not None
-            ):
+            with autocast(device.type, dtype):
                 loss = F.cross_entropy(model(x_tr[b]), y_tr[b])
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
@@ -141,10 +174,7 @@ def train_once(model, data, args, seed: int, device) -> dict:
             scaler.update()
             step += 1
     model.eval()
-    with (
-        torch.no_grad(),
-        torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None),
-    ):
+    with torch.no_grad(), autocast(device.type, dtype):
         pred = model(x_te).argmax(-1)
     return {"test_acc": 100.0 * (pred == y_te).float().mean().item(), "train_loss": loss.item()}
 
@@ -158,10 +188,13 @@ def run_digits(args) -> list[dict]:
     if args.control:
         configs.append(("plain perturbed", "perturb"))
     rows = []
+    bar = progress(total=len(args.seeds) * len(configs), desc="runs", unit="run",
+                   disable=True if args.quiet else None)  # fmt: skip
     for seed in args.seeds:
         torch.manual_seed(seed)
         init = digits_model(args.depth, args.embed_dim)  # every config starts from these
         for label, bits in configs:
+            bar.set_postfix_str(f"seed {seed} {label}")
             model = copy.deepcopy(init).to(device)
             if bits == "perturb":
                 g = torch.Generator().manual_seed(20_000 + seed)
@@ -175,15 +208,17 @@ def run_digits(args) -> list[dict]:
             res = train_once(model, data, args, seed, device)
             width = bits if isinstance(bits, int) else None
             row = {"dataset": "digits", "config": label, "bits": width, "seed": seed,
-                   "epochs": args.epochs, "amp": args.amp_dtype, "extra_config": extra,
+                   "epochs": args.epochs, "amp": args.dtype, "extra_config": extra,
                    "depth": args.depth, "embed_dim": args.embed_dim, "lr": args.lr,
                    "batch_size": args.batch_size, "seconds": time.perf_counter() - t0, **res,
                    **env}  # fmt: skip
             rows.append(row)
+            bar.update()
             if not args.quiet:
                 msg = f"seed {seed} {label:10s} test acc {res['test_acc']:.2f}%  "
                 msg += f"train loss {res['train_loss']:.4f}  {row['seconds']:.1f}s"
-                print(msg, flush=True)
+                say(msg)
+    bar.close()
     return rows
 
 
@@ -210,7 +245,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def main(argv=None) -> dict:
+def run(argv=None) -> dict:
+    """Trains and summarizes; returns {"rows", "summary"} (``main`` is the exit status)."""
     args = parse_args(argv)
     if args.data_path is not None:
         return run_imagenet(args)
@@ -218,18 +254,19 @@ def main(argv=None) -> dict:
         rows = read_jsonl(args.from_jsonl)
         for key in ("depth", "embed_dim", "lr", "batch_size", "epochs"):
             setattr(args, key, rows[0].get(key, "?"))
-        args.amp_dtype = rows[0]["amp"]
+        args.dtype = rows[0]["amp"]
         args.seeds = sorted({r["seed"] for r in rows})
     else:
         rows = run_digits(args)
     summary = summarize(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl(args.out.with_suffix(".jsonl"), rows)
+    out = Outputs(args.out, "accuracy")
+    write_jsonl(out.path(".jsonl"), rows)
     env = rows[0]
+    precision = "fp32 (no autocast)" if args.dtype == "fp32" else f"{args.dtype} autocast"
     head = (
         f"Test accuracy on scikit-learn digits (360 test images), ViT {args.depth}x"
         f"{args.embed_dim}, {args.epochs} epochs, lr {args.lr}, batch {args.batch_size}, "
-        f"{args.amp_dtype} autocast, {len(args.seeds)} seeds {_seed_text(args.seeds)} (paired: "
+        f"{precision}, {len(args.seeds)} seeds {_seed_text(args.seeds)} (paired: "
         f"same init and batch order), {env['device']}, torch {env['torch']}, "
         f"timm {env['timm']}, {env['date']}.\n\n"
     )
@@ -239,10 +276,16 @@ def main(argv=None) -> dict:
             ("diff_ci95", "+- 1.96 s.e.", ".2f"),
             ("worst_diff_vs_plain", "worst paired diff", "+.2f")]  # fmt: skip
     text = head + markdown_table(summary, cols) + "\n"
-    args.out.with_suffix(".md").write_text(text)
+    out.path(".md").write_text(text)
     print()
     print(text)
+    out.print_paths()
     return {"rows": rows, "summary": summary}
+
+
+def main(argv=None) -> int:
+    run(argv)
+    return 0
 
 
 def _seed_text(seeds: list[int]) -> str:
@@ -252,7 +295,8 @@ def _seed_text(seeds: list[int]) -> str:
 
 
 def run_imagenet(args) -> dict:
-    """The same paired comparison on an ImageNet-layout folder through train_deit.py."""
+    """The same paired comparison on an ImageNet-layout folder through train_deit.py; each
+    run's checkpoint goes into its own folder beside the JSON lines."""
     try:
         from . import train_deit
     except ImportError:
@@ -260,19 +304,26 @@ def run_imagenet(args) -> dict:
 
     if args.model is None:
         raise SystemExit("--data-path needs --model (a timm model name)")
+    out = Outputs(args.out, "accuracy")
     results = []
     for seed in args.seeds:
         for bits in [None, *args.bits]:
+            label = "plain" if bits is None else f"mesa int{bits}"
+            folder = out.prefix.parent / f"{out.prefix.name}-seed{seed}-{label.replace(' ', '-')}"
             argv = ["--model", args.model, "--data-path", str(args.data_path), "--epochs",
                     str(args.epochs), "--batch-size", str(args.batch_size), "--seed", str(seed),
-                    "--amp-dtype", args.amp_dtype, "--device", args.device, "--img-size",
-                    str(args.img_size), "--workers", str(args.workers)]  # fmt: skip
+                    "--dtype", args.dtype, "--device", args.device, "--img-size",
+                    str(args.img_size), "--workers", str(args.workers),
+                    "--output", str(folder)]  # fmt: skip
             argv += ["--no-mesa"] if bits is None else ["--mesa", "--bits", str(bits)]
-            res = train_deit.main(argv)
-            results.append({"seed": seed, "bits": bits, "val_acc": res["val_acc"]})
-            print(results[-1], flush=True)
+            res = train_deit.run(argv)
+            results.append({"dataset": str(args.data_path), "model": args.model, "seed": seed,
+                            "config": label, "bits": bits, "val_acc": res["val_acc"]})  # fmt: skip
+            say(str(results[-1]))
+    write_jsonl(out.path(".jsonl"), results)
+    out.print_paths()
     return {"rows": results}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

@@ -14,10 +14,11 @@ Without a GPU it runs a small default (DeiT-Tiny, batch 8) and reports the bytes
 keeps for backward (unique storages, Parameters excluded), labelled as such: not GPU memory.
 
 Writes PREFIX.jsonl (one row per line, with device, versions and date), PREFIX.md (the table)
-and PREFIX.png (bar chart of memory and step time); prints the table last.
+and PREFIX.png (bar chart of memory and step time) into a fresh runs/ folder unless --out
+names a prefix; prints the table and the paths it wrote last. Exits 1 if a row failed.
 
-    python benchmarks/deit_memory.py                              # GPU: full matrix
-    python benchmarks/deit_memory.py --models deit_small_patch16_224 --dtype fp16 --attention fused
+  python benchmarks/deit_memory.py              # GPU: the full matrix; CPU: about a minute
+  python benchmarks/deit_memory.py --models deit_small_patch16_224 --dtype fp16 --attention fused
 """
 
 from __future__ import annotations
@@ -28,9 +29,6 @@ import sys
 import traceback
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"
@@ -39,27 +37,38 @@ import mesa_lite
 
 from .common import (
     MIB,
-    RESULTS,
+    Outputs,
     StepTimer,
+    add_dtype_argument,
+    add_out_argument,
     argument_parser,
+    autocast,
+    default_dtype,
     environment,
+    lazy_import,
     markdown_table,
+    progress,
     pyplot,
     save_figure,
+    say,
     sync,
+    torch_dtype,
     write_jsonl,
 )
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+torch = lazy_import("torch")
+F = lazy_import("torch.nn.functional")
+
 MODELS = ["deit_tiny_patch16_224", "deit_small_patch16_224", "deit_base_patch16_224"]
 MODES = {
-    "amp": "plain AMP baseline",
-    "mesa": "mesa_lite (default Config)",
+    "amp": "plain training (AMP) baseline",
+    "mesa": "mesa_lite (default Config; --bits adds rows)",
     "ckpt": "timm activation checkpointing",
 }
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (no heavy import: ``--help`` answers at once)."""
     p = argument_parser(__doc__)
     p.add_argument(
         "--models", nargs="+", default=None, metavar="NAME",
@@ -69,10 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--batch-size", type=int, default=None,
         help="images per step (default: 128 on a GPU, 8 on CPU)",
     )  # fmt: skip
-    p.add_argument(
-        "--dtype", nargs="+", choices=list(DTYPES), default=None,
-        help="autocast dtypes; fp16 uses a GradScaler (default: both on a GPU, bf16 on CPU)",
-    )  # fmt: skip
+    add_dtype_argument(p, gpu="fp16 and bf16", nargs="+")
     p.add_argument(
         "--attention", nargs="+", choices=["fused", "explicit"], default=["fused", "explicit"],
         help="timm attention: fused (F.scaled_dot_product_attention, timm's default) "
@@ -90,16 +96,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="measured steps (default: 20; CPU 3)")
     p.add_argument("--warmup", type=int, default=None, help="steps before measuring (3; CPU 1)")
     p.add_argument("--img-size", type=int, default=224, help="input resolution")
-    p.add_argument(
-        "--out", type=Path, default=None,
-        help="output prefix for .jsonl/.md/.png (default: benchmarks/results/deit_memory_gpu "
-        "or deit_memory_cpu)",
-    )  # fmt: skip
+    add_out_argument(p, "deit_memory", "PREFIX.jsonl, .md and .png")
     p.add_argument(
         "--device", choices=["auto", "cuda", "cpu"], default="auto",
         help="auto: cuda when a GPU is present; the defaults above follow the device",
     )  # fmt: skip
     p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,7 +114,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     defaults = {
         "models": MODELS if gpu else MODELS[:1],
         "batch_size": 128 if gpu else 8,
-        "dtype": list(DTYPES) if gpu else ["bf16"],
         "modes": list(MODES) if gpu else ["amp", "mesa"],
         "steps": 20 if gpu else 3,
         "warmup": 3 if gpu else 1,
@@ -115,8 +121,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.out is None:
-        args.out = RESULTS / f"deit_memory_{'gpu' if args.device == 'cuda' else 'cpu'}"
+    if args.dtype is None:
+        args.dtype = ["fp16", "bf16"] if gpu else [default_dtype("cpu")]
     if args.steps < 1 or args.batch_size < 1 or args.warmup < 0:
         p.error("--steps and --batch-size must be >= 1, --warmup >= 0")
     return args
@@ -138,8 +144,9 @@ def make_model(name: str, attention: str, mode: str, img_size: int, bits: int = 
 
 
 def _train_step(model, opt, scaler, x, y, dtype):
+    """One AdamW step under autocast to ``dtype`` (None: fp32, no autocast)."""
     opt.zero_grad(set_to_none=True)
-    with torch.autocast(x.device.type, dtype=dtype):
+    with autocast(x.device.type, dtype):
         loss = F.cross_entropy(model(x), y)
     scaler.scale(loss).backward()
     scaler.step(opt)
@@ -155,14 +162,18 @@ def _timed_steps(model, x, y, dtype, args, before_measuring=None) -> dict:
     """
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
     scaler = torch.amp.GradScaler(x.device.type, enabled=x.is_cuda and dtype == torch.float16)
+    bar = progress(total=args.warmup + args.steps, desc="  steps", leave=False, unit="step")
     for _ in range(args.warmup):
         _train_step(model, opt, scaler, x, y, dtype)
+        bar.update()
     if before_measuring is not None:
         before_measuring()
     timer = StepTimer(x.device)
     for _ in range(args.steps):
         with timer:
             loss = _train_step(model, opt, scaler, x, y, dtype)
+        bar.update()
+    bar.close()
     return {
         "step_ms": timer.median_ms(),
         "images_per_s": x.shape[0] / timer.median_ms() * 1e3,
@@ -182,7 +193,7 @@ def gpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None) 
         torch.cuda.reset_peak_memory_stats(device)
         static.append(torch.cuda.memory_allocated(device))
 
-    times = _timed_steps(model, x, y, DTYPES[dtype_name], args, start)
+    times = _timed_steps(model, x, y, torch_dtype(dtype_name), args, start)
     peak = torch.cuda.max_memory_allocated(device)
     del model
     return {
@@ -195,10 +206,16 @@ def gpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None) 
 
 
 def cpu_row(name, mode, dtype_name, attention, x, y, args, bits=8) -> dict:
-    dtype = DTYPES[dtype_name]
+    dtype = torch_dtype(dtype_name)
     model = make_model(name, attention, mode, args.img_size, bits)
     kept = mesa_lite.report.saved_bytes(model, x, autocast=dtype)
-    return {"kept_for_backward_mib": kept / MIB, **_timed_steps(model, x, y, dtype, args)}
+    activations = mesa_lite.report.saved_bytes(model, x, autocast=dtype, weight_copies=False)
+    return {
+        "kept_for_backward_mib": kept / MIB,
+        # kept minus autocast's low-precision weight copies (plain AMP keeps those too)
+        "activation_mib": activations / MIB,
+        **_timed_steps(model, x, y, dtype, args),
+    }
 
 
 def add_ratios(rows: list[dict], memory_key: str) -> None:
@@ -227,75 +244,101 @@ def table(rows: list[dict], gpu: bool) -> str:
                  ("step_ratio", "step ratio", ".2f")]  # fmt: skip
     else:
         cols += [("kept_for_backward_mib", "kept for backward MiB (CPU, not GPU peak)", ".1f"),
-                 ("memory_reduction", "reduction", ".2f"), ("step_ms", "CPU step ms", ".0f"),
+                 ("memory_reduction", "reduction", ".2f"),
+                 ("activation_mib", "of which activations MiB", ".1f"),
+                 ("activation_reduction", "activation reduction", ".2f"),
+                 ("step_ms", "CPU step ms", ".0f"),
                  ("step_ratio", "step ratio", ".2f")]  # fmt: skip
     return markdown_table(rows, cols)
 
 
-def plot(rows: list[dict], path: Path, memory_key: str, memory_label: str) -> None:
+def _legend_label(mode: str, bits) -> str:
+    if mode == "mesa":
+        return f"mesa_lite int{bits or 8}"
+    return {"amp": "plain training (baseline)", "ckpt": "timm activation checkpointing"}[mode]
+
+
+def plot(rows: list[dict], path: Path, memory_key: str, memory_label: str) -> dict:
+    """Two bar charts (memory, step time), one bar per row; the legend lists the kinds of bar
+    drawn, in the order drawn. Returns the legend entries and the bars' labels."""
     plt = pyplot()
     from matplotlib.colors import to_rgba
 
     rows = [r for r in rows if "error" not in r]
     labels = [
-        f"{r['model'].replace('_patch16_224', '').replace('deit_', '')}\n{r['dtype']} "
-        f"{r['attention'][:5]}\n{r['label']}"
+        f"{r['model'].replace('_patch16_224', '').replace('deit_', '')} {r['dtype']}\n"
+        f"{r['attention']}\n{'plain' if r['mode'] == 'amp' else r['label']}"
         for r in rows
     ]
     colors = {"amp": "tab:gray", "mesa": "tab:blue", "ckpt": "tab:orange"}
     shades = {8: 1.0, 4: 0.7, 2: 0.45}  # mesa rows: lighter for fewer bits
-    fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.55 * len(rows)), 8), sharex=True)
-    for ax, key, ylabel in ((axes[0], memory_key, memory_label), (axes[1], "step_ms", "step ms")):
-        rgba = [to_rgba(colors[r["mode"]], shades.get(r.get("bits"), 1.0)) for r in rows]
-        ax.bar(range(len(rows)), [r[key] for r in rows], color=rgba)
+    color = lambda r: to_rgba(colors[r["mode"]], shades.get(r.get("bits"), 1.0))  # noqa: E731
+    fig, axes = plt.subplots(2, 1, figsize=(max(7.0, 0.75 * len(rows) + 2), 7.5), sharex=True)
+    step_label = "step ms" if memory_key == "peak_mib" else "CPU step ms"
+    for ax, key, ylabel in ((axes[0], memory_key, memory_label), (axes[1], "step_ms", step_label)):
+        ax.bar(range(len(rows)), [r[key] for r in rows], color=[color(r) for r in rows])
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
-    axes[1].set_xticks(range(len(rows)), labels, fontsize=6)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    axes[0].legend(handles, [MODES[m] for m in colors], fontsize=8)
+    axes[1].set_xticks(range(len(rows)), labels, fontsize=7)
+    kinds = list(dict.fromkeys((r["mode"], r.get("bits")) for r in rows))
+    handles = [plt.Rectangle((0, 0), 1, 1, color=color({"mode": m, "bits": b})) for m, b in kinds]
+    legend = [_legend_label(m, b) for m, b in kinds]
+    axes[0].legend(handles, legend, fontsize=8)
     axes[0].set_title(f"DeiT training, {rows[0]['device']}" if rows else "DeiT training")
     save_figure(fig, path)
+    return {"legend": legend, "labels": labels}
 
 
-def main(argv=None) -> list[dict]:
+def run(argv=None) -> list[dict]:
+    """Measures every row; returns the rows (``main`` is the command line's exit status)."""
     args = parse_args(argv)
     device = torch.device(args.device)
     gpu = device.type == "cuda"
+    out = Outputs(args.out, "deit_memory")
     env = environment()
     env["device"] = torch.cuda.get_device_name(device) if gpu else env["device"]
     run_row = gpu_row if gpu else cpu_row
     rows: list[dict] = []
-    for name in args.models:
-        g = torch.Generator().manual_seed(1)
-        x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=g).to(device)
-        y = torch.randint(0, 1000, (args.batch_size,), generator=g).to(device)
-        for dtype_name in args.dtype:
-            for attention in args.attention:
-                runs = [(m, b) for m in args.modes for b in (args.bits if m == "mesa" else [None])]
-                for mode, bits in runs:
-                    label = mode if bits in (None, 8) else f"{mode} int{bits}"
-                    row = {"model": name, "batch": args.batch_size, "dtype": dtype_name,
-                           "attention": attention, "mode": mode, "bits": bits, "label": label,
-                           **env}  # fmt: skip
-                    try:
-                        row.update(
-                            run_row(name, mode, dtype_name, attention, x, y, args, bits or 8)
-                        )
-                    except Exception as e:  # a row that fails (OOM) is reported, not hidden
-                        row["error"] = f"{type(e).__name__}: {e}"[:500]
-                        traceback.print_exc()
-                    gc.collect()
-                    if gpu:
-                        torch.cuda.empty_cache()
-                    rows.append(row)
-                    print({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()
-                           if k not in env}, flush=True)  # fmt: skip
-        if "mesa" in args.modes:
-            where_memory_goes(name, args, x, device)
+    plan = [
+        (name, dtype_name, attention, mode, bits)
+        for name in args.models
+        for dtype_name in args.dtype
+        for attention in args.attention
+        for mode in args.modes
+        for bits in (args.bits if mode == "mesa" else [None])
+    ]
+    bar = progress(plan, desc="rows", unit="row")
+    inputs = None
+    for name, dtype_name, attention, mode, bits in bar:
+        if inputs is None or inputs[0] != name:
+            if inputs is not None and "mesa" in args.modes:
+                where_memory_goes(inputs[0], args, inputs[1], device)
+            g = torch.Generator().manual_seed(1)
+            x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=g)
+            y = torch.randint(0, 1000, (args.batch_size,), generator=g)
+            inputs = (name, x.to(device), y.to(device))
+        _, x, y = inputs
+        label = mode if bits in (None, 8) else f"{mode} int{bits}"
+        bar.set_postfix_str(f"{name.replace('_patch16_224', '')} {dtype_name} {attention} {label}")
+        row = {"model": name, "batch": args.batch_size, "dtype": dtype_name,
+               "attention": attention, "mode": mode, "bits": bits, "label": label,
+               **env}  # fmt: skip
+        try:
+            row.update(run_row(name, mode, dtype_name, attention, x, y, args, bits or 8))
+        except Exception as e:  # a row that fails (OOM) is reported, not hidden
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+            traceback.print_exc()
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+        rows.append(row)
+        say(_row_line(row, gpu))
+    bar.close()
+    if inputs is not None and "mesa" in args.modes:
+        where_memory_goes(inputs[0], args, inputs[1], device)
     memory_key = "peak_mib" if gpu else "kept_for_backward_mib"
     add_ratios(rows, memory_key)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl(args.out.with_suffix(".jsonl"), rows)
+    write_jsonl(out.path(".jsonl"), rows)
     text = table(rows, gpu)
     header = (
         f"DeiT training memory, batch {args.batch_size}, {env['device']}, torch {env['torch']}, "
@@ -304,28 +347,51 @@ def main(argv=None) -> list[dict]:
     if not gpu:
         header += (
             "CPU run: memory is bytes kept for backward by one forward (unique storages, "
-            "Parameters excluded), not GPU peak memory.\n"
+            "Parameters excluded), not GPU peak memory; activations exclude autocast's "
+            "low-precision weight copies. Reductions are plain / mesa_lite.\n"
         )
-    args.out.with_suffix(".md").write_text(header + "\n" + text + "\n")
+    out.path(".md").write_text(header + "\n" + text + "\n")
     if not args.no_plot:
         label = "peak MiB (GPU)" if gpu else "kept for backward MiB (CPU)"
-        plot(rows, args.out.with_suffix(".png"), memory_key, label)
+        plot(rows, out.path(".png"), memory_key, label)
     print()
     print(header)
     print(text)
+    out.print_paths()
     return rows
+
+
+def main(argv=None) -> int:
+    """The command line: 0 when every row ran, 1 when a row failed (its error is in the row)."""
+    rows = run(argv)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _row_line(row: dict, gpu: bool) -> str:
+    what = f"{row['model'].replace('_patch16_224', '')} {row['dtype']} {row['attention']} "
+    what += row["label"]
+    if "error" in row:
+        return f"{what}: FAILED {row['error']}"
+    if gpu:
+        return f"{what}: peak {row['peak_mib']:.0f} MiB, step {row['step_ms']:.1f} ms"
+    return (
+        f"{what}: kept for backward {row['kept_for_backward_mib']:.1f} MiB, "
+        f"CPU step {row['step_ms']:.0f} ms"
+    )
 
 
 def where_memory_goes(name: str, args, x, device) -> None:
     """memory_report of the wrapped model on one forward of the benchmark's batch, by type."""
     model = make_model(name, args.attention[0], "mesa", args.img_size).to(device)
-    print(f"\nWhere {name} keeps memory for backward ({args.attention[0]} attention, "
-          f"{args.dtype[0]} autocast, batch {x.shape[0]}):")  # fmt: skip
-    report = mesa_lite.memory_report(model, x, autocast=DTYPES[args.dtype[0]], print_table=False)
-    print(report.table(by_kind=True))
+    say(f"\nWhere {name} keeps memory for backward ({args.attention[0]} attention, "
+        f"{args.dtype[0]} autocast, batch {x.shape[0]}):")  # fmt: skip
+    report = mesa_lite.memory_report(
+        model, x, autocast=torch_dtype(args.dtype[0]), print_table=False
+    )
+    say(report.table(by_kind=True) + "\n")
     del model, report
     gc.collect()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

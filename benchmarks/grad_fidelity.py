@@ -3,7 +3,8 @@
 For each model and each (bits, rounding) setting: per-parameter gradient SQNR
 (20 log10 ||g|| / ||g - g_mesa||) and cosine similarity against the plain model's gradients
 under the same autocast, summarised per layer kind and per transformer block, plus a plot of
-SQNR by depth. The loss is checked bit-identical (forward is exact).
+SQNR by depth. The loss is checked bit-identical (forward is exact). Writes PREFIX.jsonl,
+PREFIX.md and PREFIX.png into a fresh runs/ folder unless --out names a prefix.
 
     python benchmarks/grad_fidelity.py                              # DeiT-Ti/S (and B on a GPU)
     python benchmarks/grad_fidelity.py --models deit_small_patch16_224 --bits 8 --dtype fp16
@@ -18,9 +19,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"
@@ -28,42 +26,71 @@ if __package__ in (None, ""):  # run as a script: import the rest as the benchma
 import mesa_lite
 
 from .common import (
-    RESULTS,
+    Outputs,
+    add_device_argument,
+    add_dtype_argument,
+    add_out_argument,
     argument_parser,
+    autocast,
     environment,
+    lazy_import,
     markdown_table,
+    progress,
     pyplot,
     read_jsonl,
+    resolve_device,
     save_figure,
+    torch_dtype,
     write_jsonl,
 )
 from .deit_memory import make_model
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+torch = lazy_import("torch")
+F = lazy_import("torch.nn.functional")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    gpu = torch.cuda.is_available()
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (no heavy import: ``--help`` answers at once)."""
     p = argument_parser(__doc__)
-    models = ["deit_tiny_patch16_224", "deit_small_patch16_224"]
     p.add_argument(
-        "--models", nargs="+", default=models + (["deit_base_patch16_224"] if gpu else [])
-    )
-    p.add_argument("--bits", nargs="+", type=int, choices=[8, 4, 2], default=[8, 4, 2])
-    p.add_argument("--rounding", nargs="+", choices=["nearest", "stochastic"],
-                   default=["nearest", "stochastic"])  # fmt: skip
-    p.add_argument("--dtype", choices=list(DTYPES), default="fp16" if gpu else "bf16")
-    p.add_argument("--attention", choices=["fused", "explicit"], default="fused")
-    p.add_argument("--batch-size", type=int, default=64 if gpu else 8)
-    p.add_argument("--img-size", type=int, default=224)
-    p.add_argument("--device", default="cuda" if gpu else "cpu")
-    p.add_argument("--out", type=Path, default=RESULTS / f"grad_fidelity_{'gpu' if gpu else 'cpu'}")
-    p.add_argument("--no-plot", action="store_true")
+        "--models", nargs="+", default=None, metavar="NAME",
+        help="timm model names (default: DeiT-Ti and DeiT-S, and DeiT-B on a GPU)",
+    )  # fmt: skip
+    p.add_argument("--bits", nargs="+", type=int, choices=[8, 4, 2], default=[8, 4, 2],
+                   help="code widths, one setting each")  # fmt: skip
+    p.add_argument(
+        "--rounding", nargs="+", choices=["nearest", "stochastic"],
+        default=["nearest", "stochastic"], help="rounding modes, one setting each",
+    )  # fmt: skip
+    add_dtype_argument(p)
+    p.add_argument("--attention", choices=["fused", "explicit"], default="fused",
+                   help="timm attention mode")  # fmt: skip
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="images in the batch (default: 64 on a GPU, 8 on CPU)")  # fmt: skip
+    p.add_argument("--img-size", type=int, default=224, help="input resolution")
+    add_device_argument(p)
+    add_out_argument(p, "grad_fidelity", "PREFIX.jsonl, .md and .png")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
     p.add_argument(
         "--from-jsonl", nargs="+", type=Path, default=None, metavar="FILE",
         help="measure nothing: summarize and plot the per-parameter rows of earlier runs",
     )  # fmt: skip
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.from_jsonl:
+        return args
+    resolve_device(args)
+    gpu = torch.device(args.device).type == "cuda"
+    if args.models is None:
+        args.models = ["deit_tiny_patch16_224", "deit_small_patch16_224"]
+        args.models += ["deit_base_patch16_224"] if gpu else []
+    if args.batch_size is None:
+        args.batch_size = 64 if gpu else 8
+    return args
 
 
 def _sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
@@ -84,7 +111,7 @@ def _kind_and_block(model, name: str) -> tuple[str, int | None]:
 
 def _grads(model, x, y, dtype):
     model.zero_grad(set_to_none=True)
-    with torch.autocast(x.device.type, dtype=dtype):
+    with autocast(x.device.type, dtype):
         loss = F.cross_entropy(model(x), y)
     loss.backward()
     return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -95,25 +122,23 @@ def measure(name: str, args, device) -> list[dict]:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=g).to(device)
     y = torch.randint(0, 1000, (args.batch_size,), generator=g).to(device)
-    dtype = DTYPES[args.dtype]
+    dtype = torch_dtype(args.dtype)
     loss_ref, g_ref = _grads(plain, x, y, dtype)
     rows = []
-    for bits in args.bits:
-        for rounding in args.rounding:
-            model = mesa_lite.wrap(
-                copy.deepcopy(plain), mesa_lite.Config(bits=bits, rounding=rounding)
-            )
-            torch.manual_seed(0)
-            loss, g_mesa = _grads(model, x, y, dtype)
-            for pname, gr in g_ref.items():
-                kind, block = _kind_and_block(plain, pname)
-                rows.append({
-                    "model": name, "bits": bits, "rounding": rounding, "param": pname,
-                    "kind": kind, "block": block, "sqnr_db": _sqnr(gr, g_mesa[pname]),
-                    "cosine": _cos(gr, g_mesa[pname]),
-                    "loss_exact": bool(torch.equal(loss, loss_ref)),
-                })  # fmt: skip
-            del model
+    settings = [(b, r) for b in args.bits for r in args.rounding]
+    for bits, rounding in progress(settings, desc=name.replace("_patch16_224", ""), leave=False):
+        model = mesa_lite.wrap(copy.deepcopy(plain), mesa_lite.Config(bits=bits, rounding=rounding))
+        torch.manual_seed(0)
+        loss, g_mesa = _grads(model, x, y, dtype)
+        for pname, gr in g_ref.items():
+            kind, block = _kind_and_block(plain, pname)
+            rows.append({
+                "model": name, "bits": bits, "rounding": rounding, "param": pname,
+                "kind": kind, "block": block, "sqnr_db": _sqnr(gr, g_mesa[pname]),
+                "cosine": _cos(gr, g_mesa[pname]),
+                "loss_exact": bool(torch.equal(loss, loss_ref)),
+            })  # fmt: skip
+        del model
     return rows
 
 
@@ -179,40 +204,48 @@ def plot(by_block: list[dict], path: Path) -> None:
     save_figure(fig, path)
 
 
-def main(argv=None) -> dict:
+def run(argv=None) -> dict:
+    """Measures (or reads) and summarizes; returns {"rows", "by_kind", "by_block"}."""
     args = parse_args(argv)
-    device = torch.device(args.device)
     if args.from_jsonl:
         rows = read_jsonl(args.from_jsonl)
         env = {k: rows[0][k] for k in ("device", "torch", "date")}
         args.dtype, args.attention = rows[0]["dtype"], rows[0]["attention"]
         args.batch_size = rows[0].get("batch_size", args.batch_size)
     else:
+        device = torch.device(args.device)
         env = environment()
         rows = []
-        for name in args.models:
+        for name in progress(args.models, desc="models", unit="model"):
             rows += [
                 dict(r, **env, dtype=args.dtype, attention=args.attention,
                      batch_size=args.batch_size)
                 for r in measure(name, args, device)
             ]  # fmt: skip
     by_kind, by_block = summarize(rows)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl(args.out.with_suffix(".jsonl"), rows)
+    out = Outputs(args.out, "grad_fidelity")
+    write_jsonl(out.path(".jsonl"), rows)
     cols = [("model", "model", "s"), ("bits", "bits", "d"), ("rounding", "rounding", "s"),
             ("kind", "layer kind", "s"), ("median_db", "median SQNR dB", ".1f"),
             ("min_db", "min SQNR dB", ".1f"), ("min_cos", "min cosine", ".4f")]  # fmt: skip
+    precision = "fp32 (no autocast)" if args.dtype == "fp32" else f"{args.dtype} autocast"
     head = (
-        f"Parameter-gradient fidelity, {args.attention} attention, {args.dtype} autocast, "
+        f"Parameter-gradient fidelity, {args.attention} attention, {precision}, "
         f"batch {args.batch_size}, {env['device']}, torch {env['torch']}, {env['date']}.\n\n"
     )
     text = head + markdown_table(by_kind, cols) + "\n"
-    args.out.with_suffix(".md").write_text(text)
+    out.path(".md").write_text(text)
     if not args.no_plot:
-        plot(by_block, args.out.with_suffix(".png"))
+        plot(by_block, out.path(".png"))
     print(text)
+    out.print_paths()
     return {"rows": rows, "by_kind": by_kind, "by_block": by_block}
 
 
+def main(argv=None) -> int:
+    run(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

@@ -1,6 +1,10 @@
 """Where one DeiT training step spends its time: torch.profiler tables, plain AMP vs mesa_lite.
 
-python benchmarks/profile_step.py --model deit_small_patch16_224 --dtype fp16 --attention fused
+Prints the host time per call of a small op (torch.add against the Triton quantizer), then per
+mode the GPU kernel time per step and two profiler tables (by device time, by host time), and
+writes the same text to PREFIX.txt (a fresh runs/ folder unless --out names a prefix). GPU only.
+
+  python benchmarks/profile_step.py --model deit_small_patch16_224 --dtype fp16 --attention fused
 """
 
 from __future__ import annotations
@@ -10,15 +14,24 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"
 
-from mesa_lite.kernels import group_quant as gq
+from .common import (
+    DTYPE_NAMES,
+    Outputs,
+    add_out_argument,
+    argument_parser,
+    lazy_import,
+    progress,
+    say,
+    torch_dtype,
+)
+from .deit_memory import _train_step, make_model
 
-from .deit_memory import DTYPES, _train_step, make_model
+torch = lazy_import("torch")
+gq = lazy_import("mesa_lite.kernels.group_quant")
 
 
 def launch_overhead_us(reps: int = 2000) -> dict:
@@ -49,21 +62,46 @@ def kernel_ms(events) -> float:
     return sum(e.self_device_time_total for e in events if e.device_type == cuda) / 1e3
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="deit_small_patch16_224")
-    p.add_argument("--dtype", choices=list(DTYPES), default="fp16")
-    p.add_argument("--attention", choices=["fused", "explicit"], default="fused")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--modes", nargs="+", default=["amp", "mesa"])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (no heavy import: ``--help`` answers at once)."""
+    p = argument_parser(__doc__)
+    p.add_argument("--model", default="deit_small_patch16_224", help="timm model name")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="fp16",
+                   help="autocast dtype (fp32: no autocast)")  # fmt: skip
+    p.add_argument("--attention", choices=["fused", "explicit"], default="fused",
+                   help="timm attention mode")  # fmt: skip
+    p.add_argument("--batch-size", type=int, default=128, help="images per step")
+    p.add_argument("--modes", nargs="+", choices=["amp", "mesa"], default=["amp", "mesa"],
+                   help="amp = plain training, mesa = wrapped (default Config)")  # fmt: skip
     p.add_argument("--rows", type=int, default=18, help="rows of each profiler table")
+    add_out_argument(p, "profile_step", "PREFIX.txt")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
-    print("host us per call:", {k: round(v, 1) for k, v in launch_overhead_us().items()})
-    dtype = DTYPES[args.dtype]
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    return args
+
+
+def run(argv=None) -> str:
+    """Profiles each mode; returns the text it printed and wrote."""
+    args = parse_args(argv)
+    parts = []
+
+    def emit(text: str) -> None:
+        parts.append(text)
+        say(text)
+
+    overhead = {k: round(v, 1) for k, v in launch_overhead_us().items()}
+    emit(f"host us per call: {overhead}")
+    dtype = torch_dtype(args.dtype)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch_size, 3, 224, 224, generator=g).cuda()
     y = torch.randint(0, 1000, (args.batch_size,), generator=g).cuda()
-    for mode in args.modes:
+    for mode in progress(args.modes, desc="modes", unit="mode"):
         model = make_model(args.model, args.attention, mode, 224).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
@@ -76,17 +114,23 @@ def main(argv=None) -> None:
                 _train_step(model, opt, scaler, x, y, dtype)
             torch.cuda.synchronize()
         avg = prof.key_averages()
-        print(f"\n== {mode}: GPU kernel time per step {kernel_ms(prof.events()) / 3:.1f} ms")
-        print(
-            avg.table(
-                sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=50
-            )
-        )
-        print(
-            avg.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=50)
-        )
+        emit(f"\n== {mode}: GPU kernel time per step {kernel_ms(prof.events()) / 3:.1f} ms")
+        emit(avg.table(sort_by="self_device_time_total", row_limit=args.rows,
+                       max_name_column_width=50))  # fmt: skip
+        emit(avg.table(sort_by="self_cpu_time_total", row_limit=args.rows,
+                       max_name_column_width=50))  # fmt: skip
         del model, opt
+    text = "\n".join(parts) + "\n"
+    out = Outputs(args.out, "profile_step")
+    out.path(".txt").write_text(text)
+    out.print_paths()
+    return text
+
+
+def main(argv=None) -> int:
+    run(argv)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

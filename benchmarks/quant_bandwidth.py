@@ -1,9 +1,10 @@
 """Quantize/dequantize kernels against the device's copy bandwidth (GPU only).
 
 Bytes counted: quantize reads the input and writes int8 codes + fp32 scales; dequantize reads
-codes + scales and writes the output; copy reads and writes the input's dtype.
+codes + scales and writes the output; copy reads and writes the input's dtype. Writes
+PREFIX.jsonl and PREFIX.md (a fresh runs/ folder unless --out names a prefix).
 
-    python benchmarks/quant_bandwidth.py --out benchmarks/results/quant_bandwidth_gpu.md
+    python benchmarks/quant_bandwidth.py --out benchmarks/results/quant_bandwidth_gpu
 """
 
 from __future__ import annotations
@@ -12,15 +13,23 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"
 
-from mesa_lite.kernels import group_quant as gq
+from .common import (
+    Outputs,
+    add_out_argument,
+    argument_parser,
+    environment,
+    lazy_import,
+    markdown_table,
+    progress,
+    write_jsonl,
+)
 
-from .common import environment, markdown_table, write_jsonl
+torch = lazy_import("torch")
+gq = lazy_import("mesa_lite.kernels.group_quant")
 
 
 def _ms(fn, reps: int = 50) -> float:
@@ -59,21 +68,32 @@ def _measure(n: int, g: int, dtype: torch.dtype) -> dict:
     return row
 
 
-def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", nargs="+", type=float, default=[19.4e6, 77.5e6, 310e6])
-    p.add_argument("--group-size", type=int, default=128)
-    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="fp16")
-    p.add_argument(
-        "--out", type=Path, default=Path(__file__).parent / "results" / "quant_bandwidth_gpu"
-    )
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (no heavy import: ``--help`` answers at once)."""
+    p = argument_parser(__doc__)
+    p.add_argument("--sizes", nargs="+", type=float, default=[19.4e6, 77.5e6, 310e6],
+                   help="elements per tensor, one row each")  # fmt: skip
+    p.add_argument("--group-size", type=int, default=128, help="elements per scale")
+    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="fp16",
+                   help="input dtype")  # fmt: skip
+    add_out_argument(p, "quant_bandwidth", "PREFIX.jsonl and PREFIX.md")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
+    return args
+
+
+def run(argv=None) -> list[dict]:
+    args = parse_args(argv)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     env = environment()
     rows = [dict(_measure(n, args.group_size, dtype), dtype=args.dtype, **env)
-            for n in map(int, args.sizes)]  # fmt: skip
+            for n in progress(list(map(int, args.sizes)), desc="sizes")]  # fmt: skip
     cols = [("elements", "elements", ","), ("copy_gbs", "copy GB/s", ".0f"),
             ("quantize_gbs", "quantize GB/s", ".0f"), ("quantize_vs_copy", "vs copy", ".0%"),
             ("dequantize_gbs", "dequantize GB/s", ".0f"),
@@ -83,12 +103,18 @@ def main(argv=None) -> list[dict]:
         f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}, "
         f"{args.dtype}, groups of {args.group_size}\n\n"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_jsonl(args.out.with_suffix(".jsonl"), rows)
-    args.out.with_suffix(".md").write_text(head + text + "\n")
+    out = Outputs(args.out, "quant_bandwidth")
+    write_jsonl(out.path(".jsonl"), rows)
+    out.path(".md").write_text(head + text + "\n")
     print(head + text)
+    out.print_paths()
     return rows
 
 
+def main(argv=None) -> int:
+    run(argv)
+    return 0
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

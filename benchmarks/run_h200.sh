@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session: the kernel and CUDA tests with compiled Triton kernels, then the benchmarks.
 # Used through the device tool; writes logs and results under $OUT (default ./out).
-#   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|all] [extra deit_memory args...]
+#   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|main|coverage|all] [extra deit_memory args...]
 # suite: the whole test suite (CPU and CUDA parametrizations), in parallel processes.
+# main: the Quickstart's main job as a new user runs it (python benchmarks/deit_memory.py, its
+#   GPU default), timed; coverage: benchmarks/coverage.py (timm and Hugging Face models).
 # e.g. the memory matrix with 8- and 4-bit rows, fp16 only:
 #   bash benchmarks/run_h200.sh bench --dtype fp16 --bits 8 4
 set -uo pipefail
@@ -33,6 +35,15 @@ if [[ $what == suite ]]; then
   grep -h -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" "$OUT"/suite_*.txt | tr -d '=' \
     | python3 -c "import re,sys; t={}; [t.__setitem__(k, t.get(k, 0) + int(n)) for l in sys.stdin for n, k in re.findall(r'(\d+) (passed|failed|skipped|deselected|errors?)', l)]; print('total:', t)" \
     | tee -a "$OUT/suite_summary.txt"
+fi
+if [[ $what == main ]]; then
+  start=$(date +%s)
+  python3 benchmarks/deit_memory.py --out "$OUT/deit_memory_gpu" "$@" > "$OUT/deit_memory_log.txt" 2>&1
+  echo "main job: exit $?, $(( $(date +%s) - start )) s wall" | tee "$OUT/main_time.txt"
+  tail -n 45 "$OUT/deit_memory_log.txt"
+fi
+if [[ $what == coverage || $what == main ]]; then
+  python3 benchmarks/coverage.py --dtype fp16 --out "$OUT/coverage_gpu" 2>&1 | tail -n 16
 fi
 if [[ $what == tests || $what == all ]]; then
   # kernel tests are dominated by Triton compiles: four processes, split by dtype

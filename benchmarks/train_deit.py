@@ -1,12 +1,14 @@
-"""Train a timm DeiT with or without mesa_lite, DeiT-style.
+r"""Train a timm DeiT with or without mesa_lite, DeiT-style.
 
 With ``--data-path`` it reads an ImageNet-layout folder (``train/`` and ``val/`` of class
 folders, torchvision ImageFolder) with DeiT's transforms (RandAugment, random erasing; resize
 and center crop for evaluation). Without it, it trains on synthetic data, so the script and
 its memory figures can be checked anywhere. AdamW with a linear warm-up and a cosine schedule,
-fp16 (with GradScaler) or bf16 autocast, a tqdm progress bar and DeiT-style log lines with
-loss, lr, time and ``max mem`` in MB. ``--output`` saves a checkpoint each epoch, ``--resume``
-continues from one (model, optimizer, scaler, schedule, epoch).
+fp16 (with GradScaler) or bf16 autocast or fp32, a tqdm progress bar and DeiT-style log lines
+with loss, lr, time and ``max mem`` in MB. A checkpoint is saved after each epoch (into a fresh
+runs/ folder unless --output names one); ``--resume`` continues from one (model, optimizer,
+scaler, schedule, epoch). For DeiT's full ImageNet recipe (mixup, EMA, repeated augmentation)
+use timm's own train.py through ``python -m mesa_lite.timm_train`` (see the README).
 
     python benchmarks/train_deit.py --model deit_tiny_patch16_224 --mesa --epochs 1
     python benchmarks/train_deit.py --data-path /data/imagenet --mesa --amp-dtype fp16 \
@@ -21,47 +23,76 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     __package__ = "benchmarks"
 
 import mesa_lite
 
-from .common import argument_parser
+from .common import (
+    Outputs,
+    add_device_argument,
+    add_dtype_argument,
+    argument_parser,
+    autocast,
+    lazy_import,
+    progress,
+    resolve_device,
+    torch_dtype,
+)
 
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": None}
+torch = lazy_import("torch")
+F = lazy_import("torch.nn.functional")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (no heavy import: ``--help`` answers at once)."""
+    p = argument_parser(__doc__)
+    p.add_argument("--model", default="deit_tiny_patch16_224", help="timm model name")
+    p.add_argument(
+        "--data-path",
+        type=Path,
+        default=None,
+        help="ImageNet-layout folder (train/ and val/); without it: synthetic data",
+    )
+    p.add_argument(
+        "--mesa", action=argparse.BooleanOptionalAction, default=True,
+        help="wrap the model with mesa_lite; --no-mesa for the plain baseline (default: --mesa)",
+    )  # fmt: skip
+    p.add_argument("--bits", type=int, choices=[8, 4, 2], default=8, help="mesa_lite code width")
+    add_dtype_argument(p, aliases=("--amp-dtype",))
+    p.add_argument("--epochs", type=int, default=1, help="training epochs")
+    p.add_argument("--batch-size", type=int, default=64, help="images per step")
+    p.add_argument("--lr", type=float, default=5e-4, help="peak lr for batch 512, scaled linearly")
+    p.add_argument("--weight-decay", type=float, default=0.05, help="AdamW weight decay")
+    p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warm-up epochs")
+    p.add_argument("--min-lr", type=float, default=1e-5, help="lr at the end of the cosine")
+    p.add_argument("--img-size", type=int, default=224, help="input resolution")
+    p.add_argument(
+        "--num-classes",
+        type=int,
+        default=None,
+        help="classifier width (default: the data's classes; 10 for synthetic)",
+    )
+    p.add_argument("--synthetic-size", type=int, default=256, help="images per synthetic epoch")
+    p.add_argument("--workers", type=int, default=4, help="data loader processes")
+    p.add_argument(
+        "--output", type=Path, default=None,
+        help="folder for checkpoint.pth (default: a fresh runs/train_deit-<date>-<time>/)",
+    )  # fmt: skip
+    p.add_argument("--resume", type=Path, default=None, help="checkpoint to continue from")
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
+    p.add_argument("--log-every", type=int, default=10, help="steps between log lines")
+    p.add_argument("--seed", type=int, default=0, help="random seed (weights, data order)")
+    add_device_argument(p)
+    return p
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argument_parser(__doc__)
-    p.add_argument("--model", default="deit_tiny_patch16_224", help="timm model name")
-    p.add_argument("--data-path", type=Path, default=None, help="ImageNet-layout folder")
-    p.add_argument(
-        "--mesa", action=argparse.BooleanOptionalAction, default=True,
-        help="wrap the model with mesa_lite (--no-mesa for the plain baseline)",
-    )  # fmt: skip
-    p.add_argument("--bits", type=int, choices=[8, 4, 2], default=8, help="mesa_lite code width")
-    p.add_argument("--amp-dtype", choices=list(DTYPES), default="fp16", help="autocast dtype")
-    p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=5e-4, help="peak lr for batch 512, scaled linearly")
-    p.add_argument("--weight-decay", type=float, default=0.05)
-    p.add_argument("--warmup-epochs", type=float, default=0.0)
-    p.add_argument("--min-lr", type=float, default=1e-5)
-    p.add_argument("--img-size", type=int, default=224)
-    p.add_argument("--num-classes", type=int, default=None, help="default: from the data")
-    p.add_argument("--synthetic-size", type=int, default=256, help="images per synthetic epoch")
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--output", type=Path, default=None, help="folder for checkpoints")
-    p.add_argument("--resume", type=Path, default=None, help="checkpoint to continue from")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    return p.parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    resolve_device(args)
+    return args
 
 
 def build_data(args):
@@ -104,25 +135,29 @@ def lr_at(step: int, total: int, warmup: int, peak: float, floor: float) -> floa
     return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * min(1.0, t)))
 
 
-@torch.no_grad()
 def evaluate(model, loader, device, dtype) -> float:
+    """Top-1 accuracy (%) over ``loader``, in eval mode under no_grad."""
     model.eval()
     correct = total = 0
-    for x, y in loader:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            correct += (model(x).argmax(-1) == y).sum().item()
-        total += y.numel()
+    with torch.no_grad():
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with autocast(device.type, dtype):
+                correct += (model(x).argmax(-1) == y).sum().item()
+            total += y.numel()
     model.train()
     return 100.0 * correct / max(1, total)
 
 
-def main(argv=None) -> dict:
-    import timm
-    from tqdm import tqdm
-
+def run(argv=None) -> dict:
+    """Trains; returns {"losses", "step", "model", "val_acc", "checkpoint"} (``main`` is the
+    command line's exit status)."""
     args = parse_args(argv)
+    import timm
+
     device = torch.device(args.device)
+    if args.output is None:
+        args.output = Outputs(None, "train_deit").prefix.parent
     torch.manual_seed(args.seed)
     train, val, n_cls = build_data(args)
     model = timm.create_model(
@@ -131,7 +166,7 @@ def main(argv=None) -> dict:
     if args.mesa:
         mesa_lite.wrap(model, mesa_lite.Config(bits=args.bits))
     model.to(device).train()
-    dtype = DTYPES[args.amp_dtype]
+    dtype = torch_dtype(args.dtype)
     lr = args.lr * args.batch_size / 512
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
@@ -153,15 +188,13 @@ def main(argv=None) -> dict:
     acc = None
     for epoch in range(start_epoch, args.epochs):
         t_epoch = time.perf_counter()
-        bar = tqdm(train, desc=f"Epoch: [{epoch}]", leave=False, disable=not sys.stderr.isatty())
+        bar = progress(train, desc=f"Epoch: [{epoch}]", leave=False, unit="step")
         for i, (x, y) in enumerate(bar):
             t0 = time.perf_counter()
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, total, warmup, lr, args.min_lr)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            with torch.autocast(
-                device.type, dtype=dtype or torch.float32, enabled=dtype is not None
-            ):
+            with autocast(device.type, dtype):
                 loss = F.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
@@ -186,22 +219,30 @@ def main(argv=None) -> dict:
                 break
         acc = evaluate(model, val, device, dtype) if val is not None else None
         print(f"Epoch: [{epoch}] done in {time.perf_counter() - t_epoch:.1f}s; val acc@1: {acc}")
-        if args.output is not None:
-            args.output.mkdir(parents=True, exist_ok=True)
-            state = {
-                "model": model.state_dict(),
-                "optimizer": opt.state_dict(),
-                "scaler": scaler.state_dict(),
-                "epoch": epoch,
-                "step": step,
-                "rng": torch.get_rng_state(),
-                "args": vars(args),
-            }
-            torch.save(state, args.output / "checkpoint.pth")
+        args.output.mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scaler": scaler.state_dict(),
+            "epoch": epoch,
+            "step": step,
+            "rng": torch.get_rng_state(),
+            "args": vars(args),
+        }
+        torch.save(state, args.output / "checkpoint.pth")
         if args.max_steps is not None and step >= args.max_steps:
             break
-    return {"losses": history, "step": step, "model": model, "val_acc": acc}
+    checkpoint = args.output / "checkpoint.pth"
+    if checkpoint.exists():
+        print(f"\nWrote:\n  {checkpoint}")
+    return {"losses": history, "step": step, "model": model, "val_acc": acc,
+            "checkpoint": checkpoint}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    run(argv)
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

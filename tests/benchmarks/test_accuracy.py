@@ -10,20 +10,33 @@ pytest.importorskip("sklearn")
 pytest.importorskip("timm")
 
 
+# A 2-block, 64-wide ViT in fp32 (fast on any CPU), 12 epochs: about 89% test accuracy.
+DIGITS_ARGV = "--depth 2 --embed-dim 64 --lr 4e-3 --epochs 12 --batch-size 32 --dtype fp32"
+SEEDS = [0, 1, 2]
+# benchmarks/results/accuracy_digits_ci_config.md: this config over 10 paired seeds, with the
+# control (plain from the initial weights times 1 + 1e-6 N(0, 1)). A paired difference has a
+# standard deviation of 3.5 points for int8 and 2.1 for the control: this task's training is
+# chaotic, and any numerically negligible change moves one seed's result by a few points. A
+# 3-seed mean then has a standard deviation of about 2.0 points, so -6 points is 3 of them
+# below zero; a broken compression path costs tens of points.
+TOLERANCE_POINTS = 6.0
+
+
 @pytest.mark.slow
-def test_int8_matches_plain_on_digits(tmp_path):
-    # a 2-block ViT in fp32 converges in 15 epochs and runs both trainings in under a minute
-    argv = "--bits 8 --seeds 0 --depth 2 --lr 3e-3 --epochs 15 --batch-size 32 --amp-dtype fp32"
-    out = str(tmp_path / "acc")
-    res = accuracy.main(argv.split() + ["--device", "cpu", "--quiet", "--out", out])
-    acc = {r["config"]: r["test_acc"] for r in res["rows"]}
-    assert acc["plain"] > 80.0, acc  # chance is 10%
-    assert acc["mesa int8"] > 80.0, acc
-    assert abs(acc["mesa int8"] - acc["plain"]) <= 2.0, acc
+def test_int8_trains_as_well_as_plain_on_digits(tmp_path):
+    """Paired seeds (same initial weights and batch order for plain and int8), a bound on the
+    mean paired difference derived from the control study above. It does not flip on
+    ulp-level changes (a single seed with a 2-point tolerance did) and catches a broken
+    path; the 1-point question needs the 20-seed studies in benchmarks/results."""
+    argv = DIGITS_ARGV.split() + ["--bits", "8", "--seeds", *map(str, SEEDS)]
+    res = accuracy.run(argv + ["--device", "cpu", "--quiet", "--out", str(tmp_path / "acc")])
+    acc = {(r["config"], r["seed"]): r["test_acc"] for r in res["rows"]}
+    assert min(acc.values()) > 75.0, acc  # both learned (chance is 10%)
+    diffs = [acc["mesa int8", s] - acc["plain", s] for s in SEEDS]
+    mean_diff = sum(diffs) / len(SEEDS)
+    assert mean_diff > -TOLERANCE_POINTS, diffs
     summary = {s["config"]: s for s in res["summary"]}
-    assert summary["mesa int8"]["mean_diff_vs_plain"] == pytest.approx(
-        acc["mesa int8"] - acc["plain"]
-    )
+    assert summary["mesa int8"]["mean_diff_vs_plain"] == pytest.approx(mean_diff)
     assert (tmp_path / "acc.md").read_text().count("| mesa int8 |") == 1
 
 
@@ -56,7 +69,7 @@ def test_summary_merges_parallel_run_files(tmp_path):
                                (row("plain", seed, plain[seed]), row("mesa int8", seed, int8[seed]))))  # fmt: skip
         files.append(str(f))
     out = tmp_path / "merged"
-    res = accuracy.main(["--from-jsonl", *files, "--out", str(out)])
+    res = accuracy.run(["--from-jsonl", *files, "--out", str(out)])
     s = {x["config"]: x for x in res["summary"]}
     diffs = [-1.0, 0.5, -1.0]
     assert s["mesa int8"]["runs"] == 3
@@ -83,8 +96,12 @@ def test_data_path_runs_the_paired_comparison_on_an_image_folder(tmp_path):
                 Image.fromarray(pixels).save(folder / f"{i}.png")
     argv = ["--data-path", str(tmp_path / "data"), "--model", "deit_tiny_patch16_224",
             "--img-size", "32", "--workers", "0", "--epochs", "1", "--batch-size", "4",
-            "--seeds", "0", "--bits", "8", "--amp-dtype", "bf16", "--device", "cpu"]  # fmt: skip
-    res = accuracy.main(argv)
+            "--seeds", "0", "--bits", "8", "--amp-dtype", "bf16", "--device", "cpu",
+            "--out", str(tmp_path / "out" / "acc")]  # fmt: skip
+    res = accuracy.run(argv)
     assert [r["bits"] for r in res["rows"]] == [None, 8]
     for r in res["rows"]:
         assert 0.0 <= r["val_acc"] <= 100.0
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert written == ["acc-seed0-mesa-int8", "acc-seed0-plain", "acc.jsonl"], written
+    assert (tmp_path / "out" / "acc-seed0-plain" / "checkpoint.pth").exists()

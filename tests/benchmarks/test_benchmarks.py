@@ -13,8 +13,8 @@ pytest.importorskip("timm")
 @pytest.mark.slow
 def test_deit_memory_cpu_rows_consistent(tmp_path):
     out = tmp_path / "dm"
-    argv = "--device cpu --img-size 64 --batch-size 2 --steps 2 --warmup 1 --bits 8 4 --out"
-    rows = deit_memory.main(argv.split() + [str(out)])
+    argv = "--device cpu --img-size 64 --batch-size 2 --steps 2 --warmup 1 --bits 8 4 --dtype fp32"
+    rows = deit_memory.run(argv.split() + ["--out", str(out)])
     lines = [json.loads(s) for s in out.with_suffix(".jsonl").read_text().splitlines()]
     assert lines == json.loads(json.dumps(rows))
     labels = {(r["attention"], r["label"]) for r in lines}
@@ -35,22 +35,33 @@ def test_deit_memory_cpu_rows_consistent(tmp_path):
     for attention, r in mesa4.items():
         assert r["memory_reduction"] > mesa[attention]["memory_reduction"], "4 bits keep less"
     md = out.with_suffix(".md").read_text()
-    assert "not GPU peak memory" in md and "| deit_tiny | bf16 | fused | mesa |" in md
+    assert "not GPU peak memory" in md and "| deit_tiny | fp32 | fused | mesa |" in md
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
-def test_deit_memory_help(capsys):
-    with pytest.raises(SystemExit):
-        deit_memory.main(["--help"])
-    text = capsys.readouterr().out
-    for opt in ("--models", "--batch-size", "--dtype", "--attention", "--steps", "--out"):
-        assert opt in text
+def test_deit_memory_chart_legend_lists_only_what_is_drawn(tmp_path):
+    """The CPU run draws plain and mesa bars only: no checkpointing entry in the legend, and
+    the bars' labels keep the attention mode whole."""
+    row = {"model": "deit_tiny_patch16_224", "dtype": "fp32", "device": "cpu", "step_ms": 1.0}
+    rows = [
+        dict(row, attention=a, mode=m, bits=b, label=lab, kept=k)
+        for a in ("fused", "explicit")
+        for m, b, lab, k in (("amp", None, "amp", 9.0), ("mesa", 8, "mesa", 3.0),
+                             ("mesa", 4, "mesa int4", 2.0))
+    ]  # fmt: skip
+    drawn = deit_memory.plot(rows, tmp_path / "c.png", "kept", "MiB")
+    assert drawn["legend"] == ["plain training (baseline)", "mesa_lite int8", "mesa_lite int4"]
+    assert sum("explicit" in label for label in drawn["labels"]) == 3
+    gpu_rows = rows + [dict(row, attention="fused", mode="ckpt", bits=None, label="ckpt", kept=4.0)]
+    drawn = deit_memory.plot(gpu_rows, tmp_path / "g.png", "kept", "MiB")
+    assert drawn["legend"][-1] == "timm activation checkpointing"
+    assert (tmp_path / "c.png").stat().st_size > 1000
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_deit_memory_gpu_rows_consistent(tmp_path):
     out = tmp_path / "dm"
-    rows = deit_memory.main(
+    rows = deit_memory.run(
         [
             "--models",
             "deit_tiny_patch16_224",
@@ -83,14 +94,15 @@ def test_deit_memory_gpu_rows_consistent(tmp_path):
 @pytest.mark.slow
 def test_train_deit_synthetic_checkpoint_and_resume(tmp_path, capsys):
     common = ["--model", "deit_tiny_patch16_224", "--img-size", "32", "--batch-size", "8",
-              "--synthetic-size", "32", "--amp-dtype", "bf16", "--device", "cpu", "--log-every", "1"]  # fmt: skip
-    res = train_deit.main(common + ["--epochs", "1", "--output", str(tmp_path)])
+              "--synthetic-size", "32", "--dtype", "fp32", "--device", "cpu", "--log-every", "1"]  # fmt: skip
+    res = train_deit.run(common + ["--epochs", "1", "--output", str(tmp_path)])
     assert res["step"] == 4 and all(torch.isfinite(torch.tensor(res["losses"])))
     out = capsys.readouterr().out
     assert "max mem:" in out and "lr:" in out and "loss:" in out
     ckpt = tmp_path / "checkpoint.pth"
     assert ckpt.exists()
-    res2 = train_deit.main(common + ["--epochs", "2", "--resume", str(ckpt)])
+    res2 = train_deit.run(common + ["--epochs", "2", "--resume", str(ckpt), "--output",
+                                    str(tmp_path / "resumed")])  # fmt: skip
     assert res2["step"] == 8 and len(res2["losses"]) == 4
     assert "resumed from" in capsys.readouterr().out
     # the checkpoint of a wrapped model loads strictly into a plain one
@@ -106,8 +118,8 @@ def test_grad_fidelity_small(tmp_path):
     from benchmarks import grad_fidelity
 
     argv = "--models deit_tiny_patch16_224 --bits 8 4 --rounding nearest --img-size 32"
-    argv += " --batch-size 4 --device cpu --no-plot --out " + str(tmp_path / "gf")
-    res = grad_fidelity.main(argv.split())
+    argv += " --batch-size 4 --device cpu --dtype bf16 --no-plot --out " + str(tmp_path / "gf")
+    res = grad_fidelity.run(argv.split())
     summary = {(r["bits"], r["kind"]): r for r in res["by_kind"]}
     assert summary[(8, "all")]["loss_exact"] and summary[(4, "all")]["loss_exact"]
     assert summary[(8, "all")]["median_db"] > 35 > summary[(4, "all")]["median_db"]
@@ -117,7 +129,7 @@ def test_grad_fidelity_small(tmp_path):
     n_params = len(res["rows"]) // 2
     assert n_params == 152  # every parameter of DeiT-Tiny, once per setting
     # the summary and the plot again from the saved rows, measuring nothing
-    again = grad_fidelity.main(
+    again = grad_fidelity.run(
         ["--from-jsonl", str(tmp_path / "gf.jsonl"), "--out", str(tmp_path / "gf2")]
     )
     assert again["by_kind"] == json.loads(json.dumps(res["by_kind"]))
@@ -129,8 +141,10 @@ def test_ablation_rows_pareto_and_resume(tmp_path):
     from benchmarks import ablate
 
     out = tmp_path / "abl.csv"
-    argv = f"--bits 8 2 --group-sizes 128 --seeds 0 --epochs 1 --device cpu --csv {out}"
-    rows = ablate.main(argv.split())
+    argv = (
+        f"--bits 8 2 --group-sizes 128 --seeds 0 --epochs 1 --device cpu --dtype fp32 --csv {out}"
+    )
+    rows = ablate.run(argv.split())
     assert [(r["bits"], r["group_size"]) for r in rows] == [(8, 128), (2, 128)]
     r8, r2 = rows
     assert r2["memory_mib"] < r8["memory_mib"] < r8["plain_mib"]
@@ -141,7 +155,7 @@ def test_ablation_rows_pareto_and_resume(tmp_path):
     assert r2["pareto"] and r8["pareto"] == (r8["acc_mean"] > r2["acc_mean"])
     assert out.with_suffix(".png").exists()
     # resumable: a rerun finds every row done and measures nothing
-    again = ablate.main(argv.split())
+    again = ablate.run(argv.split())
     assert len(again) == 2 and [float(r["memory_mib"]) for r in again] == pytest.approx(
         [r8["memory_mib"], r2["memory_mib"]]
     )
@@ -170,3 +184,30 @@ def test_peak_memory_replay_finds_the_live_set_at_the_peak():
     assert live[1] == (100, "mesa_lite/functions.py:7 forward")
     assert live[3][1].startswith("autograd engine")
     assert peak_memory.frame_label(timm_frame) == "timm/layers/mlp.py:48 forward"
+
+
+def test_coverage_lists_converted_and_plain_layers(tmp_path):
+    from benchmarks import coverage
+
+    argv = ["--models", "deit_tiny_patch16_224", "convnext_atto", "mobilenetv3_small_050",
+            "hf-bert", "--device", "cpu", "--dtype", "fp32", "--batch-size", "1",
+            "--seq-len", "16", "--out", str(tmp_path / "cov")]  # fmt: skip
+    rows = {r["model"]: r for r in coverage.run(argv)}
+    deit, convnext, mobilenet = (rows[m] for m in ("deit_tiny_patch16_224", "convnext_atto",
+                                                    "mobilenetv3_small_050"))  # fmt: skip
+    assert deit["converted"] == "Linear 49, LayerNorm 25, Attention 12, GELU 12"
+    assert deit["skipped"] == "" and deit["reduction"] > 3
+    assert deit["plain_layers"].startswith("Conv2d")  # the patch embedding
+    assert "LayerNorm2d" in convnext["skipped"] and "own forward" in convnext["skipped"]
+    assert mobilenet["converted"] == "Linear 1" and mobilenet["reduction"] < 1.05
+    assert mobilenet["uncompressed_share"] > 0.95
+    for r in rows.values():
+        assert r["reduction"] == pytest.approx(r["plain_mib"] / r["wrapped_mib"])
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        assert "hf-bert" not in rows
+    else:
+        assert "Linear" in rows["hf-bert"]["converted"]
+    md = (tmp_path / "cov.md").read_text()
+    assert "| deit_tiny_patch16_224 | Linear 49, LayerNorm 25, Attention 12, GELU 12 |" in md
