@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -109,18 +110,22 @@ class MemoryReport:
         copies = bool(self.plain_weight_copy_total or self.compressed_weight_copy_total)
         head = "module type" if by_kind else "module"
         width = max([len(head), len("total")] + [len(r.name or "(root)") for r in rows])
+        kind_width = 0 if by_kind else max([len("type")] + [len(r.kind) for r in rows])
         cols = f"{'plain MiB':>10} {'mesa MiB':>10} {'reduction':>9}"
         if copies:
             cols += f" {'plain wcopy MiB':>15} {'mesa wcopy MiB':>14}"
-        rule = "-" * (width + 19 + len(cols))
+        rule = "-" * (width + 2 + (kind_width + 1 if kind_width else 0) + len(cols))
 
         def line(r: ModuleRow) -> str:
             plain, comp = r.plain_bytes, r.compressed_bytes
-            red = f"{r.reduction:.2f}" if plain or comp else "-"
-            text = (
-                f"{r.name:<{width}}  {r.kind[:16]:<16} {plain / 2**20:>10.2f} "
-                f"{comp / 2**20:>10.2f} {red:>9}"
-            )
+            if not (plain or comp):
+                red = "-"
+            elif comp * 100 < plain:  # its input's codes are kept (and counted) by its producer
+                red = ">100"
+            else:
+                red = f"{r.reduction:.2f}"
+            kind = f"{r.kind:<{kind_width}} " if kind_width else ""
+            text = f"{r.name:<{width}}  {kind}{plain / 2**20:>10.2f} {comp / 2**20:>10.2f} {red:>9}"
             if copies:
                 text += (
                     f" {r.plain_weight_copy_bytes / 2**20:>15.2f}"
@@ -128,7 +133,8 @@ class MemoryReport:
                 )
             return text
 
-        lines = [f"{head:<{width}}  {'type':<16} {cols}", rule]
+        type_head = f"{'type':<{kind_width}} " if kind_width else ""
+        lines = [f"{head:<{width}}  {type_head}{cols}", rule]
         lines += [line(dataclasses.replace(r, name=r.name or "(root)")) for r in rows]
         lines.append(rule)
         total = ModuleRow(
@@ -298,7 +304,20 @@ def memory_report(
 
     Returns:
         A MemoryReport (``str(report)`` is the table).
+
+    Warns:
+        UserWarning: the model has no mesa_lite module (call ``mesa_lite.wrap`` first): both
+        forwards are then plain and every reduction is 1.
     """
+    from mesa_lite.modules import MesaModule
+
+    if not any(isinstance(m, MesaModule) and m.mesa_spec is not None for m in model.modules()):
+        warnings.warn(
+            f"mesa_lite.memory_report: {type(model).__name__} has no mesa_lite modules, so "
+            "its compressed and plain columns are the same; wrap it first "
+            "(mesa_lite.wrap(model))",
+            stacklevel=2,
+        )
     was_training = model.training
     model.train()
     try:

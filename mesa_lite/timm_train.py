@@ -14,7 +14,7 @@ come before the path to ``train.py``; everything after the path is ``train.py``'
     torchrun --nproc_per_node 8 -m mesa_lite.timm_train path/to/train.py ...
 
 - Only the first model is wrapped: the one ``train.py`` trains. A later one (the frozen teacher
-  that ``--distill-model`` creates) is returned unchanged; it runs without gradients, where
+  that ``--kd-model-name`` creates) is returned unchanged; it runs without gradients, where
   wrapped layers would run the plain op anyway.
 - The model EMA (``--model-ema``) is a deep copy of the wrapped model; it runs in eval mode
   without gradients, so its wrapped layers run the plain torch op.
@@ -50,8 +50,17 @@ _OPTIONS = {
 }
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Options with their defaults; description and examples as written."""
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Options with their defaults (lists space-separated, flags without one, unless the help
+    states it); description and examples as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or not action.option_strings or action.nargs == 0:
+            return text
+        default = action.default
+        shown = " ".join(map(str, default)) if isinstance(default, list) else str(default)
+        return f"{text} (default: {shown})"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -86,11 +95,11 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--mesa-rounding", choices=ROUNDINGS, default=_DEFAULTS["rounding"],
-        help="rounding of the codes (default: %(default)s: nearest at 8 bits, stochastic below)",
+        help="rounding of the codes (default: nearest at 8 bits, stochastic below)",
     )  # fmt: skip
     p.add_argument(
         "--mesa-layers", nargs="+", choices=LAYER_KINDS, default=_DEFAULT_LAYERS,
-        metavar="KIND", help=f"layer kinds to wrap, from {list(LAYER_KINDS)}",
+        metavar="KIND", help=f"layer kinds to wrap, from: {' '.join(LAYER_KINDS)}",
     )  # fmt: skip
     p.add_argument(
         "--mesa-off", action="store_true",

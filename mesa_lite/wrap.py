@@ -156,7 +156,11 @@ def _plan(
     if cls in _NOT_CALLED:
         return _Plan(entry.kind, skip=_NOT_CALLED[cls])
     if cls.forward is not registered.forward:
-        return _Plan(entry.kind, skip=f"subclass of {registered.__name__} with its own forward")
+        owner = next(k for k in cls.__mro__ if "forward" in vars(k))
+        why = f"subclass of {registered.__name__} with its own forward"
+        if owner is not cls:
+            why = f"subclass of {registered.__name__}; {owner.__name__} overrides forward"
+        return _Plan(entry.kind, skip=why)
     if entry.accepts is not None and not entry.accepts(module):
         why = entry.reason or f"rejected by {getattr(entry.accepts, '__qualname__', 'accepts')}"
         return _Plan(entry.kind, skip=why)
