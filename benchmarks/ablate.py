@@ -7,7 +7,7 @@ For every config of the grid (bits x group size x rounding x which layer kinds) 
   gradients  median parameter-gradient SQNR on DeiT (``grad_fidelity``).
 Rows already in the CSV are skipped, so an interrupted sweep resumes where it stopped (pass its
 --csv again); CSVs of sweeps run in parallel can be concatenated (one header) and passed as
---csv to redraw the front. Without --csv it writes ablation.csv and .png into a fresh runs/
+--csv to redraw the front. Without --csv it writes ablate.csv and ablate.png into a fresh runs/
 folder.
 
     python benchmarks/ablate.py                               # the default grid
@@ -38,7 +38,9 @@ from .common import (
     add_device_argument,
     add_dtype_argument,
     argument_parser,
+    check_timm_models,
     lazy_import,
+    positive_int,
     progress,
     pyplot,
     resolve_device,
@@ -64,22 +66,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = argument_parser(__doc__)
     p.add_argument("--bits", nargs="+", type=int, choices=[8, 4, 2], default=[8, 4, 2],
                    help="code widths of the grid")  # fmt: skip
-    p.add_argument("--group-sizes", nargs="+", type=int, default=[64, 128, 512],
+    p.add_argument("--group-sizes", nargs="+", type=positive_int, default=[32, 128, 512],
                    help="group sizes of the grid")  # fmt: skip
     p.add_argument(
         "--rounding", nargs="+", choices=["nearest", "stochastic", "default"],
         default=["default"],
-        help="roundings of the grid; default: Config's (nearest at 8 bits, stochastic below)",
+        help="roundings of the grid; 'default' is Config's rule: nearest at 8 bits, "
+        "stochastic below",
     )  # fmt: skip
     p.add_argument("--layers", nargs="+", choices=list(LAYER_SETS), default=["all"],
                    help="which layer kinds are compressed: " + ", ".join(
                        f"{k} = {' '.join(sorted(v))}" for k, v in LAYER_SETS.items()))  # fmt: skip
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1],
                    help="digits training seeds per config")  # fmt: skip
-    p.add_argument("--epochs", type=int, default=15, help="digits training epochs")
+    p.add_argument("--epochs", type=positive_int, default=15, help="digits training epochs")
     p.add_argument("--memory-model", default="deit_tiny_patch16_224",
                    help="timm model of the memory and gradient measurements")  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=None,
                    help="memory batch (default: 128 on a GPU, 8 on CPU)")  # fmt: skip
     add_dtype_argument(p)
     p.add_argument(
@@ -95,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    resolve_device(args)
+    check_timm_models(p, args.memory_model)
+    resolve_device(args, p)
     return args
 
 
@@ -210,11 +214,11 @@ def plot(rows: list[dict], path: Path) -> list[str]:
     handles += [Line2D([], [], ls="", marker="o", color=colours[g], label=f"group {g}")
                 for g in sizes]  # fmt: skip
     roundings = {rounding(r) for r in rows}
-    if "nearest" in roundings:
-        handles.append(Line2D([], [], ls="", marker="o", color="gray", label="nearest"))
+    if "nearest" in roundings:  # fill, not shape, tells the rounding
+        handles.append(Line2D([], [], ls="", marker="D", color="gray", label="filled: nearest"))
     if "stochastic" in roundings:
-        handles.append(Line2D([], [], ls="", marker="o", markerfacecolor="none",
-                              markeredgecolor="gray", label="stochastic"))  # fmt: skip
+        handles.append(Line2D([], [], ls="", marker="D", markerfacecolor="none",
+                              markeredgecolor="gray", label="hollow: stochastic"))  # fmt: skip
     if front:
         handles.append(Line2D([], [], ls="--", color="tab:red", marker="o",
                               markerfacecolor="none", label="Pareto front"))  # fmt: skip

@@ -42,9 +42,12 @@ from .common import (
     add_out_argument,
     argument_parser,
     autocast,
+    check_timm_models,
     environment,
     lazy_import,
     markdown_table,
+    nonnegative_int,
+    positive_int,
     progress,
     read_jsonl,
     resolve_device,
@@ -63,8 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-path", type=Path, default=None,
                    help="ImageNet-layout folder (train/ and val/); without it: digits")  # fmt: skip
     p.add_argument("--model", default=None, help="timm model name (needed with --data-path)")
-    p.add_argument("--img-size", type=int, default=224, help="with --data-path: input size")
-    p.add_argument("--workers", type=int, default=4, help="with --data-path: loader workers")
+    p.add_argument(
+        "--img-size", type=positive_int, default=224, help="with --data-path: input size"
+    )
+    p.add_argument(
+        "--workers", type=nonnegative_int, default=4, help="with --data-path: loader workers"
+    )
     p.add_argument(
         "--bits", nargs="*", type=int, choices=[8, 4, 2], default=[8, 4, 2],
         help="mesa_lite widths to compare with plain training, one run each per seed",
@@ -76,10 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=[0, 1, 2, 3, 4],
         help="paired seeds: each gives every config the same init and batches",
     )
-    p.add_argument("--epochs", type=int, default=30, help="training epochs per run")
-    p.add_argument("--depth", type=int, default=4, help="digits ViT: blocks")
-    p.add_argument("--embed-dim", type=int, default=64, help="digits ViT: width (4 heads)")
-    p.add_argument("--batch-size", type=int, default=64, help="images per step")
+    p.add_argument("--epochs", type=positive_int, default=30, help="training epochs per run")
+    p.add_argument("--depth", type=positive_int, default=4, help="digits ViT: blocks")
+    p.add_argument("--embed-dim", type=positive_int, default=64, help="digits ViT: width (4 heads)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="images per step")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine decay)")
     p.add_argument("--weight-decay", type=float, default=0.05, help="AdamW weight decay")
     add_dtype_argument(p, aliases=("--amp-dtype",))
@@ -110,7 +117,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.from_jsonl:
         return args
-    resolve_device(args)
+    if args.model is not None and args.data_path is None:
+        p.error("--model is for --data-path runs; the digits study uses its own ViT (--depth, "
+                "--embed-dim)")  # fmt: skip
+    if args.data_path is not None:
+        if args.model is None:
+            p.error("--data-path needs --model (a timm model name)")
+        check_timm_models(p, args.model)
+    try:
+        extra = parse_config(args.config)
+        if "bits" in extra:
+            raise ValueError("bits is set by --bits")
+        for bits in args.bits:
+            mesa_lite.Config(bits=bits, **extra)
+    except (TypeError, ValueError) as e:
+        p.error(f"--config {args.config!r}: {e}")
+    resolve_device(args, p)
     return args
 
 
@@ -144,6 +166,8 @@ def parse_config(text: str | None) -> dict:
         return {}
     out = {}
     for item in text.split(","):
+        if "=" not in item:
+            raise ValueError(f"{item!r} is not key=value")
         key, value = item.split("=", 1)
         out[key.strip()] = int(value) if value.strip().lstrip("-").isdigit() else value.strip()
     return out
@@ -266,7 +290,8 @@ def run(argv=None) -> dict:
     head = (
         f"Test accuracy on scikit-learn digits (360 test images), ViT {args.depth}x"
         f"{args.embed_dim}, {args.epochs} epochs, lr {args.lr}, batch {args.batch_size}, "
-        f"{precision}, {len(args.seeds)} seeds {_seed_text(args.seeds)} (paired: "
+        f"{precision}, {len(args.seeds)} seed{'s' if len(args.seeds) > 1 else ''} "
+        f"{_seed_text(args.seeds)} (paired: "
         f"same init and batch order), {env['device']}, torch {env['torch']}, "
         f"timm {env['timm']}, {env['date']}.\n\n"
     )
@@ -289,6 +314,8 @@ def main(argv=None) -> int:
 
 
 def _seed_text(seeds: list[int]) -> str:
+    if len(seeds) == 1:
+        return str(seeds[0])
     if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
         return f"{seeds[0]}-{seeds[-1]}"
     return str(seeds)

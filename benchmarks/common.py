@@ -54,6 +54,43 @@ def _shown(default) -> str:
     return str(default)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def check_timm_models(p: argparse.ArgumentParser, names, allowed=()) -> None:
+    """Exits with a usage error (status 2) naming a model timm does not know, before any work
+    is done; names in ``allowed`` pass (the scripts' own, e.g. coverage's hf-gpt2)."""
+    import difflib
+
+    import timm
+
+    for name in [names] if isinstance(names, str) else names:
+        if name not in allowed and not timm.is_model(name):
+            close = difflib.get_close_matches(name, timm.list_models(), n=4, cutoff=0.6)
+            hint = f"; similar: {', '.join(close)}" if close else ""
+            p.error(f"unknown timm model {name!r}{hint}")
+
+
+def check_device(p: argparse.ArgumentParser, device: str) -> None:
+    """Exits with a usage error when ``device`` names an accelerator this machine lacks."""
+    kind = torch.device(device).type
+    if kind == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device {device}: no CUDA GPU is available here")
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the docstring's layout and ends each option's help with its default ("none" when
     unset), unless the help states it (defaults that depend on the device) or it is a flag."""
@@ -141,10 +178,15 @@ def add_device_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda when present)")
 
 
-def resolve_device(args: argparse.Namespace, gpu: str = "fp16") -> None:
-    """Fills ``args.device`` (cuda when present) and then ``args.dtype`` (``resolve_dtype``)."""
+def resolve_device(
+    args: argparse.Namespace, p: argparse.ArgumentParser | None = None, gpu: str = "fp16"
+) -> None:
+    """Fills ``args.device`` (cuda when present; a usage error through ``p`` when it names a
+    GPU this machine lacks) and then ``args.dtype`` (``resolve_dtype``)."""
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif p is not None:
+        check_device(p, args.device)
     resolve_dtype(args, torch.device(args.device).type, gpu)
 
 
@@ -171,22 +213,28 @@ def add_out_argument(p: argparse.ArgumentParser, script: str, writes: str) -> No
 
 class Outputs:
     """The files a run writes: at ``prefix`` + suffix, or in a fresh ``runs/<script>-<time>/``
-    folder (relative to the working directory) when ``prefix`` is None. ``print_paths`` lists
-    what was written."""
+    folder (relative to the working directory) when ``prefix`` is None; a ``prefix`` that is
+    an existing folder (or ends with a slash) means ``<folder>/<script>``. Folders are made at
+    the first ``path`` call, so a run that fails before writing leaves none. ``print_paths``
+    lists what was written."""
 
     def __init__(self, prefix: Path | None, script: str) -> None:
-        if prefix is None:
-            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-            for n in range(1, 1000):
-                folder = Path("runs") / (f"{script}-{stamp}" + (f"-{n}" if n > 1 else ""))
-                try:
-                    folder.mkdir(parents=True)
-                    break
-                except FileExistsError:
-                    continue
-            prefix = folder / script
-        self.prefix = Path(prefix)
+        self.script = script
+        self._given = prefix
+        self._prefix: Path | None = None
         self.written: list[Path] = []
+
+    @property
+    def prefix(self) -> Path:
+        if self._prefix is None:
+            given = self._given
+            if given is None:
+                self._prefix = fresh_run_folder(self.script) / self.script
+            elif Path(given).is_dir() or str(given).endswith(("/", "\\")):
+                self._prefix = Path(given) / self.script
+            else:
+                self._prefix = Path(given)
+        return self._prefix
 
     def path(self, suffix: str) -> Path:
         """The path for ``suffix`` (e.g. ".jsonl"); its folder exists; listed as written."""
@@ -200,6 +248,19 @@ class Outputs:
         print("\nWrote:")
         for p in self.written:
             print(f"  {p}")
+
+
+def fresh_run_folder(script: str) -> Path:
+    """Makes and returns ``runs/<script>-<date>-<time>/`` (``-2``, ``-3``, ... on a clash)."""
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 1000):
+        folder = Path("runs") / (f"{script}-{stamp}" + (f"-{n}" if n > 1 else ""))
+        try:
+            folder.mkdir(parents=True)
+            return folder
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"no free run folder name under runs/ for {script}-{stamp}")
 
 
 def progress(iterable=None, **kwargs):

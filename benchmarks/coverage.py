@@ -37,9 +37,11 @@ from .common import (
     add_dtype_argument,
     add_out_argument,
     argument_parser,
+    check_timm_models,
     environment,
     lazy_import,
     markdown_table,
+    positive_int,
     progress,
     resolve_device,
     say,
@@ -68,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argument_parser(__doc__)
     p.add_argument("--models", nargs="+", default=list(MODELS), metavar="NAME",
                    help="timm model names and hf-gpt2, hf-llama, hf-bert")  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=2, help="images or sequences")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--batch-size", type=positive_int, default=2, help="images or sequences")
+    p.add_argument("--seq-len", type=positive_int, default=128, help="tokens per sequence")
     add_dtype_argument(p)
     add_device_argument(p)
     add_out_argument(p, "coverage", "PREFIX.jsonl and PREFIX.md")
@@ -77,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    resolve_device(args)
+    p = build_parser()
+    args = p.parse_args(argv)
+    check_timm_models(p, args.models, allowed=[m for m in MODELS if m.startswith("hf-")])
+    resolve_device(args, p)
     return args
 
 
@@ -169,10 +173,11 @@ def measure(name: str, args) -> dict | None:
 def run(argv=None) -> list[dict]:
     args = parse_args(argv)
     env = environment()
-    rows = []
+    rows, skipped = [], []
     for name in progress(args.models, desc="models", unit="model"):
         row = measure(name, args)
         if row is None:
+            skipped.append(name)
             say(f"{name}: skipped (needs transformers: pip install transformers)")
             continue
         rows.append(dict(row, dtype=args.dtype, batch=args.batch_size, **env))
@@ -189,6 +194,8 @@ def run(argv=None) -> list[dict]:
         f"{env['date']}. Reduction: activations kept for backward, plain / wrapped.\n\n"
     )
     text = head + markdown_table(rows, cols) + "\n"
+    if skipped:
+        text += f"\nNot measured (transformers is not installed): {', '.join(skipped)}.\n"
     out = Outputs(args.out, "coverage")
     write_jsonl(out.path(".jsonl"), rows)
     out.path(".md").write_text(text)

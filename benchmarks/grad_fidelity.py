@@ -32,9 +32,11 @@ from .common import (
     add_out_argument,
     argument_parser,
     autocast,
+    check_timm_models,
     environment,
     lazy_import,
     markdown_table,
+    positive_int,
     progress,
     pyplot,
     read_jsonl,
@@ -65,9 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_dtype_argument(p)
     p.add_argument("--attention", choices=["fused", "explicit"], default="fused",
                    help="timm attention mode")  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--batch-size", type=positive_int, default=None,
                    help="images in the batch (default: 64 on a GPU, 8 on CPU)")  # fmt: skip
-    p.add_argument("--img-size", type=int, default=224, help="input resolution")
+    p.add_argument("--img-size", type=positive_int, default=224, help="input resolution")
     add_device_argument(p)
     add_out_argument(p, "grad_fidelity", "PREFIX.jsonl, .md and .png")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
@@ -83,7 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.from_jsonl:
         return args
-    resolve_device(args)
+    check_timm_models(p, args.models or [])
+    resolve_device(args, p)
     gpu = torch.device(args.device).type == "cuda"
     if args.models is None:
         args.models = ["deit_tiny_patch16_224", "deit_small_patch16_224"]

@@ -32,8 +32,11 @@ from .common import (
     Outputs,
     add_out_argument,
     argument_parser,
+    check_timm_models,
     lazy_import,
     markdown_table,
+    nonnegative_int,
+    positive_int,
     progress,
     say,
     torch_dtype,
@@ -130,9 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timm attention modes")  # fmt: skip
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="fp16",
                    help="autocast dtype (fp32: no autocast)")  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=128, help="images per step")
-    p.add_argument("--warmup", type=int, default=2, help="steps before the recorded one")
-    p.add_argument("--top", type=int, default=25, help="groups listed per configuration")
+    p.add_argument("--batch-size", type=positive_int, default=128, help="images per step")
+    p.add_argument(
+        "--warmup", type=nonnegative_int, default=2, help="steps before the recorded one"
+    )
+    p.add_argument("--top", type=positive_int, default=25, help="groups listed per configuration")
     add_out_argument(p, "peak_memory", "PREFIX.md")
     return p
 
@@ -142,6 +147,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a GPU: the allocator history is a CUDA feature")
+    check_timm_models(p, args.models)
     return args
 
 

@@ -23,7 +23,9 @@ from .common import (
     Outputs,
     add_out_argument,
     argument_parser,
+    check_timm_models,
     lazy_import,
+    positive_int,
     progress,
     say,
     torch_dtype,
@@ -70,10 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="autocast dtype (fp32: no autocast)")  # fmt: skip
     p.add_argument("--attention", choices=["fused", "explicit"], default="fused",
                    help="timm attention mode")  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=128, help="images per step")
+    p.add_argument("--batch-size", type=positive_int, default=128, help="images per step")
     p.add_argument("--modes", nargs="+", choices=["amp", "mesa"], default=["amp", "mesa"],
-                   help="amp = plain training, mesa = wrapped (default Config)")  # fmt: skip
-    p.add_argument("--rows", type=int, default=18, help="rows of each profiler table")
+                   help="amp = plain training, mesa = wrapped with the default Config")  # fmt: skip
+    p.add_argument("--rows", type=positive_int, default=18, help="rows of each profiler table")
     add_out_argument(p, "profile_step", "PREFIX.txt")
     return p
 
@@ -83,6 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
+    check_timm_models(p, args.model)
     return args
 
 

@@ -24,6 +24,7 @@ from .common import (
     environment,
     lazy_import,
     markdown_table,
+    positive_int,
     progress,
     write_jsonl,
 )
@@ -71,9 +72,10 @@ def _measure(n: int, g: int, dtype: torch.dtype) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     """The command line (no heavy import: ``--help`` answers at once)."""
     p = argument_parser(__doc__)
-    p.add_argument("--sizes", nargs="+", type=float, default=[19.4e6, 77.5e6, 310e6],
+    p.add_argument("--sizes", nargs="+", type=lambda s: int(float(s)),
+                   default=[19_400_000, 77_500_000, 310_000_000],
                    help="elements per tensor, one row each")  # fmt: skip
-    p.add_argument("--group-size", type=int, default=128, help="elements per scale")
+    p.add_argument("--group-size", type=positive_int, default=128, help="elements per scale")
     p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="fp16",
                    help="input dtype")  # fmt: skip
     add_out_argument(p, "quant_bandwidth", "PREFIX.jsonl and PREFIX.md")

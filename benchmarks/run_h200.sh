@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session: the kernel and CUDA tests with compiled Triton kernels, then the benchmarks.
-# Used through the device tool; writes logs and results under $OUT (default ./out).
+# Run from the repository root on a GPU machine; writes logs and results under $OUT (default
+# ./out, a fixed folder: the GPU results committed in benchmarks/results/ were copied from it).
 #   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|main|coverage|all] [extra deit_memory args...]
 # suite: the whole test suite (CPU and CUDA parametrizations), in parallel processes.
 # main: the Quickstart's main job as a new user runs it (python benchmarks/deit_memory.py, its

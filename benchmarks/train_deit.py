@@ -35,7 +35,10 @@ from .common import (
     add_dtype_argument,
     argument_parser,
     autocast,
+    check_timm_models,
     lazy_import,
+    nonnegative_int,
+    positive_int,
     progress,
     resolve_device,
     torch_dtype,
@@ -61,28 +64,32 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--bits", type=int, choices=[8, 4, 2], default=8, help="mesa_lite code width")
     add_dtype_argument(p, aliases=("--amp-dtype",))
-    p.add_argument("--epochs", type=int, default=1, help="training epochs")
-    p.add_argument("--batch-size", type=int, default=64, help="images per step")
+    p.add_argument("--epochs", type=positive_int, default=1, help="training epochs")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="images per step")
     p.add_argument("--lr", type=float, default=5e-4, help="peak lr for batch 512, scaled linearly")
     p.add_argument("--weight-decay", type=float, default=0.05, help="AdamW weight decay")
     p.add_argument("--warmup-epochs", type=float, default=0.0, help="linear warm-up epochs")
     p.add_argument("--min-lr", type=float, default=1e-5, help="lr at the end of the cosine")
-    p.add_argument("--img-size", type=int, default=224, help="input resolution")
+    p.add_argument("--img-size", type=positive_int, default=224, help="input resolution")
     p.add_argument(
         "--num-classes",
-        type=int,
+        type=positive_int,
         default=None,
         help="classifier width (default: the data's classes; 10 for synthetic)",
     )
-    p.add_argument("--synthetic-size", type=int, default=256, help="images per synthetic epoch")
-    p.add_argument("--workers", type=int, default=4, help="data loader processes")
+    p.add_argument(
+        "--synthetic-size", type=positive_int, default=256, help="images per synthetic epoch"
+    )
+    p.add_argument("--workers", type=nonnegative_int, default=4, help="data loader processes")
     p.add_argument(
         "--output", type=Path, default=None,
         help="folder for checkpoint.pth (default: a fresh runs/train_deit-<date>-<time>/)",
     )  # fmt: skip
     p.add_argument("--resume", type=Path, default=None, help="checkpoint to continue from")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps")
-    p.add_argument("--log-every", type=int, default=10, help="steps between log lines")
+    p.add_argument(
+        "--max-steps", type=positive_int, default=None, help="stop after this many steps"
+    )
+    p.add_argument("--log-every", type=positive_int, default=10, help="steps between log lines")
     p.add_argument("--seed", type=int, default=0, help="random seed (weights, data order)")
     add_device_argument(p)
     return p
@@ -91,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    resolve_device(args)
+    check_timm_models(p, args.model)
+    resolve_device(args, p)
     return args
 
 
@@ -156,8 +164,6 @@ def run(argv=None) -> dict:
     import timm
 
     device = torch.device(args.device)
-    if args.output is None:
-        args.output = Outputs(None, "train_deit").prefix.parent
     torch.manual_seed(args.seed)
     train, val, n_cls = build_data(args)
     model = timm.create_model(
@@ -192,7 +198,7 @@ def run(argv=None) -> dict:
         for i, (x, y) in enumerate(bar):
             t0 = time.perf_counter()
             for g in opt.param_groups:
-                g["lr"] = lr_at(step, total, warmup, lr, args.min_lr)
+                g["lr"] = lr_at(step, total, warmup, lr, min(args.min_lr, lr))
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with autocast(device.type, dtype):
                 loss = F.cross_entropy(model(x), y)
@@ -205,20 +211,25 @@ def run(argv=None) -> dict:
             if not math.isfinite(loss_v) and dtype != torch.float16:
                 raise FloatingPointError(f"loss is {loss_v} at step {step}")
             history.append(loss_v)
-            mem = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+            mem = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
             if i % args.log_every == 0 or i == steps_per_epoch - 1:
                 eta = (time.perf_counter() - t_epoch) / (i + 1) * (steps_per_epoch - i - 1)
                 print(
                     f"Epoch: [{epoch}]  [{i:>4}/{steps_per_epoch}]  eta: {eta:.0f}s  "
                     f"lr: {opt.param_groups[0]['lr']:.6f}  loss: {loss_v:.4f}  "
-                    f"time: {time.perf_counter() - t0:.4f}  max mem: {mem:.0f}",
+                    f"time: {time.perf_counter() - t0:.4f}  "
+                    f"max mem: {'-' if mem is None else f'{mem:.0f}'}",
                     flush=True,
                 )
-            bar.set_postfix(loss=f"{loss_v:.3f}", mem=f"{mem:.0f}MB")
+            bar.set_postfix(
+                loss=f"{loss_v:.3f}", **({} if mem is None else {"mem": f"{mem:.0f}MB"})
+            )
             if args.max_steps is not None and step >= args.max_steps:
                 break
         acc = evaluate(model, val, device, dtype) if val is not None else None
         print(f"Epoch: [{epoch}] done in {time.perf_counter() - t_epoch:.1f}s; val acc@1: {acc}")
+        if args.output is None:  # made at the first save: a failed run leaves no folder
+            args.output = Outputs(None, "train_deit").prefix.parent
         args.output.mkdir(parents=True, exist_ok=True)
         state = {
             "model": model.state_dict(),
@@ -232,8 +243,8 @@ def run(argv=None) -> dict:
         torch.save(state, args.output / "checkpoint.pth")
         if args.max_steps is not None and step >= args.max_steps:
             break
-    checkpoint = args.output / "checkpoint.pth"
-    if checkpoint.exists():
+    checkpoint = args.output / "checkpoint.pth" if args.output is not None else None
+    if checkpoint is not None and checkpoint.exists():
         print(f"\nWrote:\n  {checkpoint}")
     return {"losses": history, "step": step, "model": model, "val_acc": acc,
             "checkpoint": checkpoint}  # fmt: skip

@@ -18,7 +18,9 @@ def test_deit_memory_cpu_rows_consistent(tmp_path):
     lines = [json.loads(s) for s in out.with_suffix(".jsonl").read_text().splitlines()]
     assert lines == json.loads(json.dumps(rows))
     labels = {(r["attention"], r["label"]) for r in lines}
-    assert labels == {(a, m) for a in ("fused", "explicit") for m in ("amp", "mesa", "mesa int4")}
+    assert labels == {
+        (a, m) for a in ("fused", "explicit") for m in ("plain", "mesa int8", "mesa int4")
+    }
     for r in lines:
         for key in ("device", "torch", "triton", "timm", "date", "model", "batch", "dtype"):
             assert key in r
@@ -29,13 +31,13 @@ def test_deit_memory_cpu_rows_consistent(tmp_path):
         )
         assert r["step_ratio"] == pytest.approx(r["step_ms"] / base["step_ms"])
         assert r["kept_for_backward_mib"] > 0 and r["step_ms"] > 0
-    mesa = {r["attention"]: r for r in lines if r["label"] == "mesa"}
+    mesa = {r["attention"]: r for r in lines if r["label"] == "mesa int8"}
     assert mesa["explicit"]["memory_reduction"] > 2.5 and mesa["fused"]["memory_reduction"] > 2.5
     mesa4 = {r["attention"]: r for r in lines if r["label"] == "mesa int4"}
     for attention, r in mesa4.items():
         assert r["memory_reduction"] > mesa[attention]["memory_reduction"], "4 bits keep less"
     md = out.with_suffix(".md").read_text()
-    assert "not GPU peak memory" in md and "| deit_tiny | fp32 | fused | mesa |" in md
+    assert "not GPU peak memory" in md and "| deit_tiny | fp32 | fused | mesa int8 |" in md
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
@@ -46,7 +48,7 @@ def test_deit_memory_chart_legend_lists_only_what_is_drawn(tmp_path):
     rows = [
         dict(row, attention=a, mode=m, bits=b, label=lab, kept=k)
         for a in ("fused", "explicit")
-        for m, b, lab, k in (("amp", None, "amp", 9.0), ("mesa", 8, "mesa", 3.0),
+        for m, b, lab, k in (("amp", None, "plain", 9.0), ("mesa", 8, "mesa int8", 3.0),
                              ("mesa", 4, "mesa int4", 2.0))
     ]  # fmt: skip
     drawn = deit_memory.plot(rows, tmp_path / "c.png", "kept", "MiB")

@@ -127,11 +127,29 @@ def test_entry_point_exit_status_of_a_run(tmp_path):
             "--warmup", "0", "--attention", "fused", "--dtype", "fp32", "--no-plot"]  # fmt: skip
     ok = _entry("mesa-lite-deit-memory", *tiny, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr[-2000:]
-    assert "| deit_tiny | fp32 | fused | mesa |" in ok.stdout
+    assert "| deit_tiny | fp32 | fused | mesa int8 |" in ok.stdout
     assert "'model'" not in ok.stderr
-    failed = _entry("mesa-lite-deit-memory", *tiny, "--models", "no_such_model", cwd=tmp_path)
-    assert failed.returncode == 1
-    assert "FAILED" in failed.stdout and "no_such_model" in failed.stdout
+    folders = sorted((tmp_path / "runs").iterdir())
+    typo = _entry("mesa-lite-deit-memory", *tiny, "--models", "deit_tiny_patch16_24", cwd=tmp_path)
+    assert typo.returncode == 2 and "unknown timm model 'deit_tiny_patch16_24'" in typo.stderr
+    assert sorted((tmp_path / "runs").iterdir()) == folders  # no empty run folder left
+
+
+def test_main_returns_1_when_a_row_fails(tmp_path, monkeypatch, capsys):
+    """A row that fails while running (an out-of-memory error, say) is reported in its row and
+    the table, the other rows still run, and the exit status is 1."""
+    from benchmarks import deit_memory
+
+    def oom(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(deit_memory, "cpu_row", oom)
+    argv = ["--device", "cpu", "--img-size", "32", "--batch-size", "2", "--steps", "1",
+            "--warmup", "0", "--attention", "fused", "--dtype", "fp32", "--no-plot",
+            "--out", str(tmp_path / "dm")]  # fmt: skip
+    assert deit_memory.main(argv) == 1
+    assert "FAILED RuntimeError: out of memory (simulated)" in capsys.readouterr().out
+    assert (tmp_path / "dm.jsonl").read_text().count('"error"') == 2
 
 
 @pytest.mark.slow
@@ -156,6 +174,12 @@ def test_default_output_is_a_fresh_run_folder_and_results_stay_untouched(tmp_pat
     printed = capsys.readouterr().out
     for p in runs[0].iterdir():
         assert f"  {p.relative_to(tmp_path)}" in printed
+    # --out naming an existing folder writes <folder>/<script>.*, not files beside it
+    (tmp_path / "mine").mkdir()
+    deit_memory.run(argv + ["--no-plot", "--out", str(tmp_path / "mine")])
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == [
+        "deit_memory.jsonl", "deit_memory.md"]  # fmt: skip
+    assert len(list((tmp_path / "runs").iterdir())) == 2
     assert digest() == before
     assert re.search(r"^runs/$", (ROOT / ".gitignore").read_text(), re.M)
 
