@@ -244,6 +244,15 @@ class Outputs:
             self.written.append(p)
         return p
 
+    def write_report(self, rows: list[dict], text: str) -> None:
+        """Writes PREFIX.jsonl (the rows) and PREFIX.md (the text), prints the text and the
+        paths written."""
+        write_jsonl(self.path(".jsonl"), rows)
+        self.path(".md").write_text(text)
+        print()
+        print(text)
+        self.print_paths()
+
     def print_paths(self) -> None:
         print("\nWrote:")
         for p in self.written:

@@ -46,7 +46,6 @@ from .common import (
     resolve_device,
     say,
     torch_dtype,
-    write_jsonl,
 )
 
 torch = lazy_import("torch")
@@ -196,12 +195,7 @@ def run(argv=None) -> list[dict]:
     text = head + markdown_table(rows, cols) + "\n"
     if skipped:
         text += f"\nNot measured (transformers is not installed): {', '.join(skipped)}.\n"
-    out = Outputs(args.out, "coverage")
-    write_jsonl(out.path(".jsonl"), rows)
-    out.path(".md").write_text(text)
-    print()
-    print(text)
-    out.print_paths()
+    Outputs(args.out, "coverage").write_report(rows, text)
     return rows
 
 

@@ -26,7 +26,6 @@ from .common import (
     markdown_table,
     positive_int,
     progress,
-    write_jsonl,
 )
 
 torch = lazy_import("torch")
@@ -105,11 +104,7 @@ def run(argv=None) -> list[dict]:
         f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}, "
         f"{args.dtype}, groups of {args.group_size}\n\n"
     )
-    out = Outputs(args.out, "quant_bandwidth")
-    write_jsonl(out.path(".jsonl"), rows)
-    out.path(".md").write_text(head + text + "\n")
-    print(head + text)
-    out.print_paths()
+    Outputs(args.out, "quant_bandwidth").write_report(rows, head + text + "\n")
     return rows
 
 

@@ -213,3 +213,17 @@ def test_coverage_lists_converted_and_plain_layers(tmp_path):
         assert "Linear" in rows["hf-bert"]["converted"]
     md = (tmp_path / "cov.md").read_text()
     assert "| deit_tiny_patch16_224 | Linear 49, LayerNorm 25, Attention 12, GELU 12 |" in md
+
+
+def test_overhead_times_every_kind_plain_and_wrapped(tmp_path):
+    from benchmarks import overhead
+
+    argv = ["--device", "cpu", "--dtype", "fp32", "--iters", "3", "--repeats", "1",
+            "--out", str(tmp_path / "ov")]  # fmt: skip
+    rows = overhead.run(argv)
+    assert [r["kind"] for r in rows] == overhead.KINDS
+    for r in rows:
+        assert r["plain_us"] > 0 and r["wrapped_us"] > 0
+        assert r["ratio"] == pytest.approx(r["wrapped_us"] / r["plain_us"])
+        assert r["added_us"] == pytest.approx(r["wrapped_us"] - r["plain_us"])
+    assert "| attention |" in (tmp_path / "ov.md").read_text()

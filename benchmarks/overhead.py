@@ -1,0 +1,174 @@
+"""Host time per wrapped op, forward + backward, against the plain torch module.
+
+Each op kind runs on tensors small enough that the device's own work is negligible (batch 2,
+16 tokens, width 64 by default), so the time per iteration is the host's: Python, autograd and
+kernel launches. An iteration is forward, ``sum().backward()`` and dropping the gradients, the
+same for the plain module and its wrapped copy, under the autocast dtype given. Reported per
+kind: microseconds per iteration plain and wrapped (the median of --repeats timings of --iters
+iterations each, after warm-up), their ratio, and the difference, the host cost mesa_lite
+adds. "attention" is timm's Attention block (its qkv and proj Linears and fused attention),
+"matmul" mesa_lite.MatMul on a @ b^T. On a GPU the loop is synchronized once per timing, so
+queued work counts as well.
+
+Writes PREFIX.jsonl and PREFIX.md (a fresh runs/ folder unless --out names a prefix).
+
+    python benchmarks/overhead.py
+    python benchmarks/overhead.py --kinds linear gelu --iters 500 --dtype fp32
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
+
+import mesa_lite
+
+from .common import (
+    Outputs,
+    add_device_argument,
+    add_dtype_argument,
+    add_out_argument,
+    argument_parser,
+    autocast,
+    environment,
+    lazy_import,
+    markdown_table,
+    positive_int,
+    progress,
+    resolve_device,
+    say,
+    sync,
+)
+
+torch = lazy_import("torch")
+
+KINDS = ["linear", "layernorm", "gelu", "softmax", "matmul", "attention"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (no heavy import: ``--help`` answers at once)."""
+    p = argument_parser(__doc__)
+    p.add_argument("--kinds", nargs="+", choices=KINDS, default=KINDS, help="op kinds to time")
+    p.add_argument("--batch-size", type=positive_int, default=2, help="sequences")
+    p.add_argument("--tokens", type=positive_int, default=16, help="tokens per sequence")
+    p.add_argument("--width", type=positive_int, default=64, help="features (4 heads)")
+    p.add_argument("--iters", type=positive_int, default=200, help="iterations per timing")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timings; the median counts")
+    add_dtype_argument(p)
+    add_device_argument(p)
+    add_out_argument(p, "overhead", "PREFIX.jsonl and PREFIX.md")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.width % 4:
+        p.error(f"--width must be a multiple of 4 (4 heads), got {args.width}")
+    resolve_device(args, p)
+    return args
+
+
+def _pair(kind: str, width: int):
+    """(plain module, its wrapped copy, number of inputs) of a kind."""
+    nn = torch.nn
+    if kind == "matmul":  # mesa_lite's own module; with no spec it runs a @ b
+        plain = mesa_lite.MatMul()
+        plain.mesa_spec = None
+        return plain, mesa_lite.MatMul(), 2
+    if kind == "attention":
+        from timm.layers import Attention
+
+        plain = Attention(width, num_heads=4)
+    else:
+        make = {"linear": lambda: nn.Linear(width, width), "layernorm": lambda: nn.LayerNorm(width),
+                "gelu": nn.GELU, "softmax": lambda: nn.Softmax(dim=-1)}  # fmt: skip
+        plain = make[kind]()
+    return plain, mesa_lite.wrap(copy.deepcopy(plain)), 1
+
+
+def _time_us(module, inputs, args, device) -> float:
+    """Median microseconds per iteration (forward, backward, gradients dropped)."""
+
+    def step():
+        with autocast(device.type, args.dtype):
+            out = module(*inputs)
+        out.float().sum().backward()
+        for t in inputs:
+            t.grad = None
+        for q in module.parameters():
+            q.grad = None
+
+    for _ in range(max(5, args.iters // 10)):
+        step()
+    times = []
+    for _ in range(args.repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            step()
+        sync(device)
+        times.append((time.perf_counter() - t0) / args.iters * 1e6)
+    return statistics.median(times)
+
+
+def measure(kind: str, args) -> dict:
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    plain, wrapped, n_inputs = _pair(kind, args.width)
+    plain, wrapped = plain.to(device).train(), wrapped.to(device).train()
+    g = torch.Generator().manual_seed(1)
+    shape = (args.batch_size, args.tokens, args.width)
+    inputs = [torch.randn(*shape, generator=g).to(device).requires_grad_() for _ in range(n_inputs)]
+    if kind == "matmul":  # a @ b^T: (B, N, C) @ (B, C, N)
+        inputs[1] = inputs[1].detach().transpose(1, 2).contiguous().requires_grad_()
+    plain_us = _time_us(plain, inputs, args, device)
+    wrapped_us = _time_us(wrapped, inputs, args, device)
+    return {
+        "kind": kind,
+        "plain_us": plain_us,
+        "wrapped_us": wrapped_us,
+        "ratio": wrapped_us / plain_us,
+        "added_us": wrapped_us - plain_us,
+    }
+
+
+def run(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    env = environment()
+    shape = {"batch": args.batch_size, "tokens": args.tokens, "width": args.width}
+    rows = []
+    for kind in progress(args.kinds, desc="kinds", unit="kind"):
+        row = dict(measure(kind, args), dtype=args.dtype, iters=args.iters, **shape, **env)
+        rows.append(row)
+        say(f"{kind}: plain {row['plain_us']:.0f} us, wrapped {row['wrapped_us']:.0f} us "
+            f"({row['ratio']:.2f}x)")  # fmt: skip
+    cols = [("kind", "op", "s"), ("plain_us", "plain us", ".0f"),
+            ("wrapped_us", "mesa_lite us", ".0f"), ("ratio", "ratio", ".2f"),
+            ("added_us", "added us", ".0f")]  # fmt: skip
+    precision = "fp32 (no autocast)" if args.dtype == "fp32" else f"{args.dtype} autocast"
+    head = (
+        f"Host time per op, forward + backward, input {args.batch_size}x{args.tokens}x"
+        f"{args.width}, {precision}, median of {args.repeats} x {args.iters} iterations, "
+        f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}.\n\n"
+    )
+    text = head + markdown_table(rows, cols) + "\n"
+    Outputs(args.out, "overhead").write_report(rows, text)
+    return rows
+
+
+def main(argv=None) -> int:
+    run(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
