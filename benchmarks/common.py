@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from mesa_lite._cli import HelpFormatter
+
 
 class LazyModule:
     """A module imported on first attribute access.
@@ -46,12 +48,6 @@ MIB = 2**20
 # The committed results. Scripts write here only when --out (or --csv) names a path in it.
 RESULTS = Path(__file__).parent / "results"
 DTYPE_NAMES = ("fp32", "fp16", "bf16")
-
-
-def _shown(default) -> str:
-    if isinstance(default, (list, tuple)):
-        return " ".join(map(str, default))
-    return str(default)
 
 
 def positive_int(text: str) -> int:
@@ -91,23 +87,6 @@ def check_device(p: argparse.ArgumentParser, device: str) -> None:
         p.error(f"--device {device}: no CUDA GPU is available here")
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the docstring's layout and ends each option's help with its default ("none" when
-    unset), unless the help states it (defaults that depend on the device) or it is a flag."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if (
-            "(default" in text
-            or not action.option_strings
-            or action.nargs == 0  # flags: --help, store_true, --x/--no-x
-            or action.default is argparse.SUPPRESS
-        ):
-            return text
-        shown = "none" if action.default is None else _shown(action.default)
-        return f"{text} (default: {shown.replace('%', '%%')})"
-
-
 def argument_parser(doc: str, prog: str | None = None) -> argparse.ArgumentParser:
     """A parser whose description is the script docstring's first paragraph and whose epilog
     (shown by --help) is the rest of it."""
@@ -143,7 +122,7 @@ def cpu_has_native_bf16() -> bool:
 
 def add_dtype_argument(p: argparse.ArgumentParser, *, gpu: str = "fp16", nargs=None,
                        aliases: tuple[str, ...] = ()) -> None:  # fmt: skip
-    """``--dtype fp32|fp16|bf16`` (``nargs`` for several); resolve with ``resolve_dtype``."""
+    """``--dtype fp32|fp16|bf16`` (``nargs`` for several); resolve with ``resolve_device``."""
     p.add_argument(
         "--dtype", *aliases, nargs=nargs, choices=DTYPE_NAMES, default=None,
         help="autocast dtype: fp16 (with a GradScaler on a GPU) or bf16; fp32 runs without "
@@ -167,13 +146,6 @@ def default_dtype(device_type: str, gpu: str = "fp16") -> str:
     return "fp32"
 
 
-def resolve_dtype(args: argparse.Namespace, device_type: str, gpu: str = "fp16") -> None:
-    """Fills ``args.dtype`` with ``default_dtype`` when it was not given (a one-name list when
-    the option takes several)."""
-    if args.dtype is None:
-        args.dtype = default_dtype(device_type, gpu)
-
-
 def add_device_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda when present)")
 
@@ -182,12 +154,13 @@ def resolve_device(
     args: argparse.Namespace, p: argparse.ArgumentParser | None = None, gpu: str = "fp16"
 ) -> None:
     """Fills ``args.device`` (cuda when present; a usage error through ``p`` when it names a
-    GPU this machine lacks) and then ``args.dtype`` (``resolve_dtype``)."""
+    GPU this machine lacks), then ``args.dtype`` when it was not given (``default_dtype``)."""
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     elif p is not None:
         check_device(p, args.device)
-    resolve_dtype(args, torch.device(args.device).type, gpu)
+    if args.dtype is None:
+        args.dtype = default_dtype(torch.device(args.device).type, gpu)
 
 
 def torch_dtype(name: str):

@@ -214,10 +214,9 @@ def gpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None) 
 def cpu_row(name, mode, dtype_name, attention, x, y, args, bits=8) -> dict:
     dtype = torch_dtype(dtype_name)
     model = make_model(name, attention, mode, args.img_size, bits)
-    kept = mesa_lite.report.saved_bytes(model, x, autocast=dtype)
-    activations = mesa_lite.report.saved_bytes(model, x, autocast=dtype, weight_copies=False)
+    activations, copies = mesa_lite.report.kept_bytes(model, x, autocast=dtype)
     return {
-        "kept_for_backward_mib": kept / MIB,
+        "kept_for_backward_mib": (activations + copies) / MIB,
         # kept minus autocast's low-precision weight copies (plain AMP keeps those too)
         "activation_mib": activations / MIB,
         **_timed_steps(model, x, y, dtype, args),

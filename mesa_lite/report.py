@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn as nn
 
-__all__ = ["MemoryReport", "ModuleRow", "memory_report", "saved_bytes", "plain_model"]
+__all__ = ["MemoryReport", "ModuleRow", "kept_bytes", "memory_report", "saved_bytes", "plain_model"]
 
 
 def _reduction(plain: int, compressed: int) -> float:
@@ -273,8 +273,17 @@ def saved_bytes(
     Returns:
         Bytes of the unique storages kept.
     """
-    _, acts, copies, _ = _attribute(model, lambda: _forward(model, inputs, kwargs, autocast))
+    acts, copies = kept_bytes(model, *inputs, autocast=autocast, **kwargs)
     return acts + copies if weight_copies else acts
+
+
+def kept_bytes(
+    model: nn.Module, *inputs, autocast: torch.dtype | None = None, **kwargs
+) -> tuple[int, int]:
+    """(activations, autocast weight copies): the two parts of ``saved_bytes``, from one
+    training-mode forward."""
+    _, acts, copies, _ = _attribute(model, lambda: _forward(model, inputs, kwargs, autocast))
+    return acts, copies
 
 
 def _forward(model, inputs, kwargs, autocast):

@@ -35,6 +35,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 # Light on purpose (no torch, no timm): --help and bad options answer at once.
+from mesa_lite._cli import HelpFormatter
 from mesa_lite.config import LAYER_KINDS, ROUNDINGS, SUPPORTED_BITS, Config
 
 __all__ = ["main", "parse_args", "install_hook"]
@@ -48,19 +49,6 @@ _DEFAULT_LAYERS = [k for k in LAYER_KINDS if k in _DEFAULTS["layers"]]
 _OPTIONS = {
     f: "--mesa-" + f.replace("_", "-") for f in ("bits", "group_size", "rounding", "layers")
 }
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Options with their defaults (lists space-separated, flags without one, unless the help
-    states it); description and examples as written."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "(default" in text or not action.option_strings or action.nargs == 0:
-            return text
-        default = action.default
-        shown = " ".join(map(str, default)) if isinstance(default, list) else str(default)
-        return f"{text} (default: {shown})"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -82,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
             "  torchrun --nproc_per_node 8 -m mesa_lite.timm_train \\\n"
             "      pytorch-image-models/train.py ...   # 8 GPUs"
         ),
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         allow_abbrev=False,  # the argv split below knows only the full option names
     )
     p.add_argument(
