@@ -51,6 +51,7 @@ setup(
                     "coverage",
                     "deit_memory",
                     "grad_fidelity",
+                    "kernels",
                     "overhead",
                     "peak_memory",
                     "profile_step",

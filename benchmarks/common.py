@@ -324,6 +324,21 @@ def environment() -> dict:
     }
 
 
+def cuda_median_ms(fn, reps: int = 50, warmup: int = 5) -> float:
+    """Median CUDA-event time of ``fn()`` in milliseconds, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

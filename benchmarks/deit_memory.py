@@ -138,7 +138,10 @@ def make_model(name: str, attention: str, mode: str, img_size: int, bits: int = 
     import timm
 
     torch.manual_seed(0)  # every row of a model starts from the same weights
-    model = timm.create_model(name, pretrained=False, img_size=img_size)
+    try:
+        model = timm.create_model(name, pretrained=False, img_size=img_size)
+    except TypeError:  # convolutional models take any input size and no img_size argument
+        model = timm.create_model(name, pretrained=False)
     for m in model.modules():
         if hasattr(m, "fused_attn"):
             m.fused_attn = attention == "fused"

@@ -104,6 +104,7 @@ def run(argv=None) -> str:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch_size, 3, 224, 224, generator=g).cuda()
     y = torch.randint(0, 1000, (args.batch_size,), generator=g).cuda()
+    kernel_time = {}
     for mode in progress(args.modes, desc="modes", unit="mode"):
         model = make_model(args.model, args.attention, mode, 224).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -117,12 +118,16 @@ def run(argv=None) -> str:
                 _train_step(model, opt, scaler, x, y, dtype)
             torch.cuda.synchronize()
         avg = prof.key_averages()
-        emit(f"\n== {mode}: GPU kernel time per step {kernel_ms(prof.events()) / 3:.1f} ms")
+        kernel_time[mode] = kernel_ms(prof.events()) / 3
+        emit(f"\n== {mode}: GPU kernel time per step {kernel_time[mode]:.1f} ms")
         emit(avg.table(sort_by="self_device_time_total", row_limit=args.rows,
                        max_name_column_width=50))  # fmt: skip
         emit(avg.table(sort_by="self_cpu_time_total", row_limit=args.rows,
                        max_name_column_width=50))  # fmt: skip
         del model, opt
+    if len(kernel_time) == 2:
+        ratio = kernel_time["mesa"] / kernel_time["amp"]
+        emit(f"\nGPU kernel time per step, mesa / amp: {ratio:.2f}x")
     text = "\n".join(parts) + "\n"
     out = Outputs(args.out, "profile_step")
     out.path(".txt").write_text(text)

@@ -21,6 +21,7 @@ from .common import (
     Outputs,
     add_out_argument,
     argument_parser,
+    cuda_median_ms,
     environment,
     lazy_import,
     markdown_table,
@@ -32,18 +33,8 @@ torch = lazy_import("torch")
 gq = lazy_import("mesa_lite.kernels.group_quant")
 
 
-def _ms(fn, reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def _ms(fn) -> float:
+    return cuda_median_ms(fn, reps=50, warmup=5)
 
 
 def _measure(n: int, g: int, dtype: torch.dtype) -> dict:

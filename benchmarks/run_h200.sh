@@ -2,7 +2,7 @@
 # One GPU session: the kernel and CUDA tests with compiled Triton kernels, then the benchmarks.
 # Run from the repository root on a GPU machine; writes logs and results under $OUT (default
 # ./out, a fixed folder: the GPU results committed in benchmarks/results/ were copied from it).
-#   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|main|coverage|all] [extra deit_memory args...]
+#   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|main|coverage|speed|all] [extra deit_memory args...]
 # suite: the whole test suite (CPU and CUDA parametrizations), in parallel processes.
 # main: the Quickstart's main job as a new user runs it (python benchmarks/deit_memory.py, its
 #   GPU default), timed; coverage: benchmarks/coverage.py (timm and Hugging Face models).
@@ -36,6 +36,27 @@ if [[ $what == suite ]]; then
   grep -h -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" "$OUT"/suite_*.txt | tr -d '=' \
     | python3 -c "import re,sys; t={}; [t.__setitem__(k, t.get(k, 0) + int(n)) for l in sys.stdin for n, k in re.findall(r'(\d+) (passed|failed|skipped|deselected|errors?)', l)]; print('total:', t)" \
     | tee -a "$OUT/suite_summary.txt"
+fi
+if [[ $what == speed ]]; then
+  # issue 12: the fused kernels and the direct launcher checked on the GPU, then the speed
+  # benchmarks (eager DeiT-Ti/S/B fp16 batch 128, the step profile, host time per op, bandwidth)
+  python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/kernels/test_fused.py \
+    tests/kernels/test_group_quant.py -k "fused or (float16 and not bfloat16)" \
+    > "$OUT/speed_kernel_tests.txt" 2>&1 &
+  python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/test_attention.py \
+    tests/test_modules.py tests/test_composition.py tests/models -k cuda \
+    > "$OUT/speed_cuda_tests.txt" 2>&1 &
+  wait
+  tail -n 3 "$OUT"/speed_*tests.txt
+  python3 benchmarks/deit_memory.py --models deit_tiny_patch16_224 deit_small_patch16_224 \
+    deit_base_patch16_224 swin_tiny_patch4_window7_224 convnext_tiny --dtype fp16 \
+    --attention fused --modes amp mesa --no-plot \
+    --out "$OUT/deit_speed_gpu" "$@" 2>&1 | tail -n 12
+  python3 benchmarks/profile_step.py --out "$OUT/profile_step_gpu" > /dev/null 2>&1
+  grep -E "GPU kernel time|host us per call" "$OUT/profile_step_gpu.txt"
+  python3 benchmarks/overhead.py --dtype fp16 --out "$OUT/overhead_gpu" 2>&1 | tail -n 9
+  python3 benchmarks/kernels.py --out "$OUT/kernels_gpu" 2>&1 | tail -n 40
+  rm -f "$OUT/gpu.txt" "$OUT/overhead_gpu.jsonl"  # eight files come back
 fi
 if [[ $what == main ]]; then
   start=$(date +%s)

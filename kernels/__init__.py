@@ -3,7 +3,9 @@
 This package never imports the rest of mesa_lite.
 """
 
+from .gelu import gelu_backward, gelu_backward_ref
 from .group_quant import (
+    EPILOGUES,
     HAS_TRITON,
     SUPPORTED_BITS,
     dequantize,
@@ -15,8 +17,14 @@ from .group_quant import (
     quantize,
     quantize_ref,
 )
+from .launch import Launcher, use_triton
 
 __all__ = [
+    "EPILOGUES",
+    "Launcher",
+    "gelu_backward",
+    "gelu_backward_ref",
+    "use_triton",
     "HAS_TRITON",
     "SUPPORTED_BITS",
     "n_code_bytes",

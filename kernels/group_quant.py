@@ -35,13 +35,13 @@ import functools
 
 import torch
 
-try:  # Triton is optional: without it (or without CUDA) the reference runs.
+from .launch import HAS_TRITON, Launcher, interpreting
+from .launch import use_triton as use_triton_for
+
+if HAS_TRITON:  # without it (or without CUDA) the reference runs
     import triton
     import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - exercised only where triton is missing
-    HAS_TRITON = False
+    from triton.language.extra import libdevice
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SUPPORTED_BITS = (8, 4, 2)
@@ -128,9 +128,25 @@ if HAS_TRITON:
         return r + up.to(tl.float32)
 
     @triton.jit
+    def _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM: tl.constexpr):
+        """fp32 values of a tile; with NORM the normalized ``(x - mean[row]) * rstd[row]``."""
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            r = offs // row_len
+            m = tl.load(mean_ptr + r, mask=mask, other=0.0).to(tl.float32)
+            s = tl.load(rstd_ptr + r, mask=mask, other=0.0).to(tl.float32)
+            x = tl.where(mask, (x - m) * s, 0.0)
+        return x
+
+    @triton.jit
+    def _scale_of(amax, has_nan, QMAX: tl.constexpr):
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+        return tl.where(has_nan > 0, float("nan"), scale)
+
+    @triton.jit
     def _group_scales(
-        x_ptr, n, base, row_ok, group_size,
-        QMAX: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+        x_ptr, mean_ptr, rstd_ptr, n, base, row_ok, group_size, row_len,
+        QMAX: tl.constexpr, NORM: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         """absmax / QMAX per group (NaN where the group holds NaN)."""
         cols = tl.arange(0, BLOCK)
@@ -140,12 +156,11 @@ if HAS_TRITON:
             c = start + cols
             offs = base[:, None] + c[None, :]
             mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
-            a = tl.abs(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+            a = tl.abs(_load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM))
             is_nan = a != a
             has_nan = tl.maximum(has_nan, tl.max(is_nan.to(tl.int32), axis=1))
             amax = tl.maximum(amax, tl.max(tl.where(is_nan, 0.0, a), axis=1))
-        scale = tl.math.div_rn(amax, tl.full([ROWS], QMAX, tl.float32))
-        return tl.where(has_nan > 0, float("nan"), scale)
+        return _scale_of(amax, has_nan, QMAX)
 
     @triton.jit
     def _codes(x, finite, safe, offs, seed, QMIN: tl.constexpr, QMAX: tl.constexpr,
@@ -165,24 +180,49 @@ if HAS_TRITON:
         x_ptr,  # (n,) fp32/fp16/bf16, contiguous
         codes_ptr,  # (n,) int8/uint8 at 8 bits; (ceil(n / PER_BYTE),) uint8 below
         scales_ptr,  # (n_groups,) fp32
+        mean_ptr,  # (n // row_len,) fp32 with NORM (else any pointer, unread)
+        rstd_ptr,  # (n // row_len,) fp32 with NORM
         n,
         n_groups,
         group_size,
+        row_len,  # elements per row of mean/rstd (NORM)
         seed,
         QMIN: tl.constexpr,
         QMAX: tl.constexpr,
         BITS: tl.constexpr,
         PER_BYTE: tl.constexpr,  # 8 // BITS
         STOCHASTIC: tl.constexpr,
+        NORM: tl.constexpr,  # quantize (x - mean[row]) * rstd[row] in fp32
+        ONE_PASS: tl.constexpr,  # 8 bits and group_size <= BLOCK: one load per element
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
         BLOCK_B: tl.constexpr,  # BLOCK // PER_BYTE
     ):
-        # Each program quantizes ROWS groups: one pass for the scales, one for the codes.
+        # Each program quantizes ROWS groups.
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         row_ok = rows < n_groups
         base = rows.to(tl.int64) * group_size
-        scale = _group_scales(x_ptr, n, base, row_ok, group_size, QMAX, ROWS, BLOCK)
+        if ONE_PASS:
+            cols = tl.arange(0, BLOCK)
+            offs = base[:, None] + cols[None, :]
+            mask = row_ok[:, None] & (cols[None, :] < group_size) & (offs < n)
+            x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
+            a = tl.abs(x)
+            is_nan = a != a
+            has_nan = tl.max(is_nan.to(tl.int32), axis=1)
+            amax = tl.max(tl.where(is_nan, 0.0, a), axis=1)
+            scale = _scale_of(amax, has_nan, QMAX)
+            tl.store(scales_ptr + rows, scale, mask=row_ok)
+            finite = ((scale > 0.0) & (scale < float("inf")))[:, None]
+            safe = tl.where(finite, scale[:, None], 1.0)
+            q = _codes(x, finite, safe, offs, seed, QMIN, QMAX, STOCHASTIC)
+            tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
+            return
+        # one pass for the scales, one for the codes
+        scale = _group_scales(
+            x_ptr, mean_ptr, rstd_ptr, n, base, row_ok, group_size, row_len,
+            QMAX, NORM, ROWS, BLOCK,
+        )  # fmt: skip
         tl.store(scales_ptr + rows, scale, mask=row_ok)
         finite = ((scale > 0.0) & (scale < float("inf")))[:, None]  # False for NaN, inf, 0
         safe = tl.where(finite, scale[:, None], 1.0)
@@ -192,7 +232,7 @@ if HAS_TRITON:
                 c = start + cols
                 offs = base[:, None] + c[None, :]
                 mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
-                x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
                 q = _codes(x, finite, safe, offs, seed, QMIN, QMAX, STOCHASTIC)
                 tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
         else:
@@ -206,7 +246,7 @@ if HAS_TRITON:
                 for j in tl.static_range(PER_BYTE):
                     offs = first + j
                     mask = bmask & (offs < n)
-                    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                    x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
                     q = _codes(x, finite, safe, offs, seed, QMIN, QMAX, STOCHASTIC)
                     stored = tl.where(mask, (q - QMIN).to(tl.int32), 0)
                     packed = packed | (stored << (j * BITS))
@@ -221,17 +261,68 @@ if HAS_TRITON:
         return tl.where(v != v, 0x7FC0, rounded).to(tl.int16)
 
     @triton.jit
+    def round_to(v, MID: tl.constexpr):
+        """fp32 ``v`` rounded to nearest even in fp16 (MID 1) or bf16 (MID 2), back in fp32;
+        MID 0: ``v`` itself."""
+        if MID == 1:
+            return v.to(tl.float16).to(tl.float32)
+        elif MID == 2:
+            hi = _bf16_bits_rtne(v).to(tl.int32) & 0xFFFF
+            return (hi << 16).to(tl.float32, bitcast=True)
+        else:
+            return v
+
+    @triton.jit
+    def store_as(out_ptr, offs, v, mask, OUT_BF16: tl.constexpr):
+        """Stores fp32 ``v`` in the output's dtype (bf16 as int16 bits when OUT_BF16)."""
+        if OUT_BF16:
+            tl.store(out_ptr + offs, _bf16_bits_rtne(v), mask=mask)
+        else:
+            tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def dequantize_tile(codes_ptr, offs, mask, s, QMIN: tl.constexpr, BITS: tl.constexpr,
+                        PER_BYTE: tl.constexpr):  # fmt: skip
+        """``code * scale`` in fp32 for a tile of element offsets (``s`` broadcasts)."""
+        if BITS == 8:
+            q = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.float32)
+        else:
+            byte = tl.load(codes_ptr + offs // PER_BYTE, mask=mask, other=0).to(tl.int32)
+            shift = (offs % PER_BYTE).to(tl.int32) * BITS
+            q = (((byte >> shift) & ((1 << BITS) - 1)) + QMIN).to(tl.float32)
+        return q * s
+
+    @triton.jit
+    def gelu_fp32(x, TANH: tl.constexpr):
+        """GELU in fp32 with PyTorch's CUDA formulas (exact erf, or the tanh approximation)."""
+        if TANH:
+            inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
+            e = tl.exp(-2.0 * tl.abs(inner))
+            t = (1.0 - e) / (1.0 + e)
+            return 0.5 * x * (1.0 + tl.where(inner < 0, -t, t))
+        else:
+            return x * 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+    @triton.jit
     def _dequantize_kernel(
         codes_ptr,  # (n,) int8/uint8 at 8 bits; (ceil(n / PER_BYTE),) uint8 below
         scales_ptr,  # (n_groups,) fp32
         out_ptr,  # (n,) fp32/fp16, or int16 holding bf16 bits when OUT_BF16
+        p1_ptr,  # EPI 1: weight (row_len,); EPI 2: mean (n // row_len,) fp32
+        p2_ptr,  # EPI 1: bias (row_len,); EPI 2: rstd (n // row_len,) fp32
         n,
         n_groups,
         group_size,
+        row_len,
         QMIN: tl.constexpr,
         BITS: tl.constexpr,
         PER_BYTE: tl.constexpr,  # 8 // BITS, a power of two: // and % are shifts and masks
         OUT_BF16: tl.constexpr,
+        EPI: tl.constexpr,  # 0 none, 1 affine, 2 unnormalize, 3 GELU (erf), 4 GELU (tanh)
+        HAS_P1: tl.constexpr,
+        HAS_P2: tl.constexpr,
+        MID: tl.constexpr,  # GELU: its input dtype, 0 fp32, 1 fp16, 2 bf16
+        RN: tl.constexpr,  # compiled: explicit round-to-nearest ops, which are never fused
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -245,17 +336,23 @@ if HAS_TRITON:
             c = start + cols
             offs = base[:, None] + c[None, :]
             mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
-            if BITS == 8:
-                q = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.float32)
-            else:
-                byte = tl.load(codes_ptr + offs // PER_BYTE, mask=mask, other=0).to(tl.int32)
-                shift = (offs % PER_BYTE).to(tl.int32) * BITS
-                q = (((byte >> shift) & ((1 << BITS) - 1)) + QMIN).to(tl.float32)
-            v = q * s
-            if OUT_BF16:
-                tl.store(out_ptr + offs, _bf16_bits_rtne(v), mask=mask)
-            else:
-                tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
+            v = dequantize_tile(codes_ptr, offs, mask, s, QMIN, BITS, PER_BYTE)
+            if EPI == 1:  # v * weight[col] + bias[col], each rounded (two fp32 ops, as torch)
+                col = offs % row_len
+                if HAS_P1:
+                    w = tl.load(p1_ptr + col, mask=mask, other=0.0).to(tl.float32)
+                    v = libdevice.mul_rn(v, w) if RN else v * w
+                if HAS_P2:
+                    b = tl.load(p2_ptr + col, mask=mask, other=0.0).to(tl.float32)
+                    v = libdevice.add_rn(v, b) if RN else v + b
+            elif EPI == 2:  # v / rstd[row] + mean[row]; the mean where rstd is 0
+                r = offs // row_len
+                m = tl.load(p1_ptr + r, mask=mask, other=0.0).to(tl.float32)
+                rs = tl.load(p2_ptr + r, mask=mask, other=1.0).to(tl.float32)
+                v = tl.where(rs == 0.0, m, tl.math.div_rn(v, rs) + m)
+            elif EPI >= 3:
+                v = gelu_fp32(round_to(v, MID), EPI == 4)
+            store_as(out_ptr, offs, v, mask, OUT_BF16)
 
 
 @functools.lru_cache(maxsize=64)
@@ -270,6 +367,54 @@ def _code_dtype(signed: bool, bits: int) -> torch.dtype:
     return torch.int8 if (signed and bits == 8) else torch.uint8
 
 
+EPILOGUES = ("affine", "unnormalize", "gelu")
+_GELU_MID = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _check_normalize(normalize, n: int) -> int:
+    """The row length of ``normalize = (mean, rstd)`` for ``n`` elements."""
+    mean, rstd = normalize
+    for name, t in (("mean", mean), ("rstd", rstd)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"normalize {name} must be a float32, float16 or bfloat16 tensor")
+    rows = mean.numel()
+    if n == 0 and rows == 0 == rstd.numel():
+        return 1
+    if rows == 0 or rstd.numel() != rows or n % rows:
+        raise ValueError(
+            f"normalize needs one mean and one rstd per row of {n} elements, got "
+            f"{mean.numel()} and {rstd.numel()}"
+        )
+    return n // rows
+
+
+def _epilogue_args(epilogue, n: int, device) -> tuple:
+    """(EPI, p1, p2, row_len, HAS_P1, HAS_P2, MID) for the dequantize kernel, checked."""
+    kind = epilogue[0]
+    if kind == "affine":
+        _, w, b = epilogue
+        row_len = next((t.numel() for t in (w, b) if t is not None), 0)
+        sizes = {t.numel() for t in (w, b) if t is not None}
+        if row_len == 0 or n % row_len or len(sizes) != 1:
+            raise ValueError(f"dequantize: affine weight/bias must split {n} elements in rows")
+        return 1, w, b, row_len, w is not None, b is not None, 0
+    if kind == "unnormalize":
+        _, mean, rstd = epilogue
+        row_len = _check_normalize((mean, rstd), n)
+        return 2, mean, rstd, row_len, True, True, 0
+    if kind == "gelu":
+        _, approximate, mid = epilogue
+        if approximate not in ("none", "tanh") or mid not in _GELU_MID:
+            raise ValueError(f"dequantize: bad gelu epilogue {epilogue!r}")
+        return 3 + (approximate == "tanh"), None, None, 1, False, False, _GELU_MID[mid]
+    raise ValueError(f"dequantize: epilogue must be one of {EPILOGUES}, got {kind!r}")
+
+
+if HAS_TRITON:
+    _QUANTIZE = Launcher(_quantize_kernel)
+    _DEQUANTIZE = Launcher(_dequantize_kernel)
+
+
 def quantize(
     x: torch.Tensor,
     group_size: int = 128,
@@ -277,6 +422,7 @@ def quantize(
     stochastic: bool = False,
     use_triton: bool | None = None,
     bits: int = 8,
+    normalize: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes ``x`` in groups of ``group_size`` flattened elements.
 
@@ -288,16 +434,20 @@ def quantize(
         stochastic: round stochastically (unbiased) instead of to nearest even.
         use_triton: force the path; by default Triton for CUDA tensors, the reference otherwise.
         bits: 8, 4 or 2.
+        normalize: ``(mean, rstd)``, fp32, one per row of ``x`` (rows of
+            ``numel // mean.numel()`` elements): quantize ``(x.float() - mean) * rstd``, a
+            LayerNorm's normalized input, without writing it.
 
     Returns:
         ``(codes, scales)``: flat codes (``x.numel()`` bytes at 8 bits, packed below), and
         fp32 scales, one per group.
     """
     _check_quantize_args(x, group_size, bits)
+    row_len = 1 if normalize is None else _check_normalize(normalize, x.numel())
     if use_triton is None:
-        use_triton = HAS_TRITON and x.is_cuda
+        use_triton = use_triton_for(x)
     if not use_triton:
-        return quantize_ref(x, group_size, signed, stochastic, bits)
+        return quantize_ref(x, group_size, signed, stochastic, bits, normalize)
     x = x.contiguous().view(-1)
     n = x.numel()
     ng = n_groups_of(n, group_size)
@@ -305,14 +455,16 @@ def quantize(
     scales = torch.empty(ng, dtype=torch.float32, device=x.device)
     if n == 0:
         return codes, scales
+    mean, rstd = (x, x) if normalize is None else (t.contiguous() for t in normalize)
     qmin, qmax = qrange(signed, bits)
     # The Philox seed comes from torch's CPU generator: reproducible under torch.manual_seed.
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if stochastic else 0
     rows, block = _launch_shape(group_size)
-    _quantize_kernel[(triton.cdiv(ng, rows),)](
-        x, codes, scales, n, ng, group_size, seed,
-        QMIN=qmin, QMAX=qmax, BITS=bits, PER_BYTE=per_byte(bits), STOCHASTIC=stochastic,
-        ROWS=rows, BLOCK=block, BLOCK_B=max(1, block // per_byte(bits)),
+    _QUANTIZE(
+        (triton.cdiv(ng, rows),),
+        x, codes, scales, mean, rstd, n, ng, group_size, row_len, seed,
+        qmin, qmax, bits, per_byte(bits), stochastic, normalize is not None,
+        bits == 8 and group_size <= block, rows, block, max(1, block // per_byte(bits)),
     )  # fmt: skip
     return codes, scales
 
@@ -323,10 +475,15 @@ def quantize_ref(
     signed: bool = True,
     stochastic: bool = False,
     bits: int = 8,
+    normalize: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference of :func:`quantize`, same arguments and results."""
     _check_quantize_args(x, group_size, bits)
     xf = x.contiguous().view(-1).float()
+    if normalize is not None:
+        row_len = _check_normalize(normalize, xf.numel())
+        mean, rstd = (t.reshape(-1, 1).float() for t in normalize)
+        xf = ((xf.view(-1, row_len) - mean) * rstd).view(-1)
     n = xf.numel()
     ng = n_groups_of(n, group_size)
     code_dtype = _code_dtype(signed, bits)
@@ -368,6 +525,7 @@ def dequantize(
     bits: int = 8,
     signed: bool | None = None,
     numel: int | None = None,
+    epilogue: tuple | None = None,
 ) -> torch.Tensor:
     """Rebuilds the flat tensor ``code * scale`` in ``dtype`` (fp32 product, then one cast).
 
@@ -380,6 +538,13 @@ def dequantize(
         bits: the code width used to quantize.
         signed: how it was quantized; at 8 bits the codes' dtype says it (int8 or uint8).
         numel: number of elements; required below 8 bits (a byte holds several).
+        epilogue: one elementwise step applied to the fp32 product ``v`` before the cast,
+            in the same pass: ``("affine", weight, bias)`` gives ``v * weight + bias`` over
+            rows of ``weight.numel()`` elements (either may be None; two fp32 roundings, as
+            torch's separate ops); ``("unnormalize", mean, rstd)`` gives
+            ``v / rstd + mean`` per row (``mean`` where ``rstd`` is 0), a LayerNorm's input
+            from its normalized input; ``("gelu", approximate, mid)`` gives GELU of ``v``
+            rounded to ``mid`` (the dtype the forward GELU ran in), computed in fp32.
 
     Returns:
         A flat, contiguous tensor with ``numel`` elements.
@@ -387,30 +552,29 @@ def dequantize(
     numel, signed = _resolve_layout(codes, bits, signed, numel)
     _check_dequantize_args(codes, scales, group_size, dtype, bits, numel)
     if use_triton is None:
-        use_triton = HAS_TRITON and codes.is_cuda
+        use_triton = use_triton_for(codes)
     if not use_triton:
-        return dequantize_ref(codes, scales, group_size, dtype, bits, signed, numel)
+        return dequantize_ref(codes, scales, group_size, dtype, bits, signed, numel, epilogue)
     codes = codes.contiguous().view(-1)
     out = torch.empty(numel, dtype=dtype, device=codes.device)
     if numel == 0:
         return out
+    if epilogue is None:
+        epi, p1, p2, row_len, has1, has2, mid = 0, None, None, 1, False, False, 0
+    else:
+        epi, p1, p2, row_len, has1, has2, mid = _epilogue_args(epilogue, numel, codes.device)
+    p1 = codes if p1 is None else p1.contiguous()
+    p2 = codes if p2 is None else p2.contiguous()
     bf16 = dtype == torch.bfloat16
     ng = n_groups_of(numel, group_size)
     rows, block = _launch_shape(group_size)
-    _dequantize_kernel[(triton.cdiv(ng, rows),)](
-        codes,
-        scales.contiguous(),
-        out.view(torch.int16) if bf16 else out,
-        numel,
-        ng,
-        group_size,
-        QMIN=qrange(signed, bits)[0],
-        BITS=bits,
-        PER_BYTE=per_byte(bits),
-        OUT_BF16=bf16,
-        ROWS=rows,
-        BLOCK=block,
-    )
+    _DEQUANTIZE(
+        (triton.cdiv(ng, rows),),
+        codes, scales.contiguous(), out.view(torch.int16) if bf16 else out, p1, p2,
+        numel, ng, group_size, row_len,
+        qrange(signed, bits)[0], bits, per_byte(bits), bf16, epi, has1, has2, mid,
+        not interpreting(), rows, block,
+    )  # fmt: skip
     return out
 
 
@@ -425,6 +589,27 @@ def _resolve_layout(codes, bits, signed, numel) -> tuple[int, bool]:
     return numel, signed
 
 
+def epilogue_ref(v: torch.Tensor, epilogue: tuple | None) -> torch.Tensor:
+    """The reference of a dequantize epilogue on the flat fp32 product ``v`` (fp32 result)."""
+    if epilogue is None:
+        return v
+    n = v.numel()
+    epi, p1, p2, row_len, _, _, _ = _epilogue_args(epilogue, n, v.device)
+    if epi == 1:
+        rows = v.view(-1, row_len)
+        if p1 is not None:
+            rows = rows * p1.reshape(-1).float()
+        if p2 is not None:
+            rows = rows + p2.reshape(-1).float()
+        return rows.reshape(-1)
+    if epi == 2:
+        rows = v.view(-1, row_len)
+        mean, rstd = p1.reshape(-1, 1).float(), p2.reshape(-1, 1).float()
+        return torch.where(rstd == 0, mean, rows / rstd + mean).reshape(-1)
+    _, approximate, mid = epilogue
+    return torch.nn.functional.gelu(v.to(mid).float(), approximate=approximate)
+
+
 def dequantize_ref(
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -433,6 +618,7 @@ def dequantize_ref(
     bits: int = 8,
     signed: bool | None = None,
     numel: int | None = None,
+    epilogue: tuple | None = None,
 ) -> torch.Tensor:
     """PyTorch reference of :func:`dequantize`, same arguments and result."""
     n, signed = _resolve_layout(codes, bits, signed, numel)
@@ -446,11 +632,15 @@ def dequantize_ref(
         shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
         stored = (codes.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)
         q = (stored.view(-1)[:n] + qrange(signed, bits)[0]).float()
-    out = torch.empty(n, dtype=dtype, device=codes.device)
-    full = n // group_size * group_size
-    if full:
-        body = q[:full].view(-1, group_size) * scales[: full // group_size, None]
-        out[:full] = body.view(-1).to(dtype)
-    if full < n:
-        out[full:] = (q[full:] * scales[-1]).to(dtype)
-    return out
+    if epilogue is None:  # one fp32 temporary at a time, as before
+        out = torch.empty(n, dtype=dtype, device=codes.device)
+        full = n // group_size * group_size
+        if full:
+            body = q[:full].view(-1, group_size) * scales[: full // group_size, None]
+            out[:full] = body.view(-1).to(dtype)
+        if full < n:
+            out[full:] = (q[full:] * scales[-1]).to(dtype)
+        return out
+    v = torch.nn.functional.pad(q, (0, -n % group_size)).view(-1, group_size)
+    v = (v * scales[:, None]).view(-1)[:n]
+    return epilogue_ref(v, epilogue).to(dtype)

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 from mesa_lite import quant
 from mesa_lite.config import QuantSpec
+from mesa_lite.kernels import gelu as group_quant_gelu
+from mesa_lite.kernels.launch import use_triton
 
 # ---- the dtype autocast gives an op ---------------------------------------------------------
 
@@ -196,6 +198,12 @@ class GELUFn(torch.autograd.Function):
     @_first_order_only
     def backward(ctx, grad):
         (px,) = quant.load(ctx)
+        if not px.recipe and not px.spec.exact:  # one kernel: x is rebuilt in registers
+            gx = group_quant_gelu.gelu_backward(
+                grad, px.codes, px.scales, px.spec.group_size, ctx.x_dtype, ctx.approximate,
+                use_triton=use_triton(grad), bits=px.spec.bits, signed=px.signed,
+            )  # fmt: skip
+            return gx, None, None, None
         x = quant.dequantize(px, ctx.x_dtype)
         return torch.ops.aten.gelu_backward(grad, x, approximate=ctx.approximate), None, None, None
 
@@ -246,7 +254,7 @@ class LayerNormFn(torch.autograd.Function):
         if spec.exact or not quant.compressible(x):
             p = quant.quantize(x, spec)  # x itself (fp64 stays exact)
         else:
-            p = quant.quantize((x.float() - mean) * rstd, spec)
+            p = quant.quantize(x, spec, normalize=(mean, rstd))  # (x - mean) * rstd, in fp32
         quant.save(ctx, p, mean, rstd, weight, bias)
         step = ("affine", out.dtype, normalized_shape, eps)
         quant.share(out, p.derived(step, out.dtype, aux=(weight, bias)))
@@ -265,10 +273,9 @@ class LayerNormFn(torch.autograd.Function):
         elif px.spec.exact:
             x = quant.dequantize(px)
         else:  # x = x_hat / rstd + mean
-            x = quant.dequantize(px, torch.float32) / rstd + mean
             # rstd is 0 where the variance overflowed (|x| ~ 1e19 in fp32): torch's gradient
-            # is 0 there whatever x is, and 0 / 0 must not turn it into NaN
-            x = torch.where(rstd == 0, mean, x).to(ctx.x_dtype)
+            # is 0 there whatever x is, and 0 / 0 must not turn it into NaN (mean is taken)
+            x = quant.unnormalize(px, mean, rstd, ctx.x_dtype)
         gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
             grad.contiguous(), x, ctx.normalized_shape, mean, rstd, weight, bias, mask
         )
@@ -360,11 +367,24 @@ def _restore(p: quant.Packed, order: tuple) -> torch.Tensor:
     return quant.dequantize(p).permute(inverse)
 
 
+def _joint_base(q, k, v) -> torch.Tensor | None:
+    """The contiguous tensor that ``q``, ``k`` and ``v`` are views of and whose elements they
+    are together (timm's qkv Linear output, reshaped, permuted and unbound), else None."""
+    base = q._base
+    if base is None or k._base is not base or v._base is not base or not base.is_contiguous():
+        return None
+    if base.dtype != q.dtype or base.numel() != q.numel() + k.numel() + v.numel():
+        return None
+    return base
+
+
 class SDPAFn(torch.autograd.Function):
     """``F.scaled_dot_product_attention`` through the fused backend PyTorch picked (CPU flash,
     CUDA flash, memory-efficient or cuDNN), keeping q, k, v and the output compressed and the
     fp32 logsumexp.
-    q and k are kept at 8 bits whatever the spec's width; v and the output at the spec's.
+    q and k are kept at 8 bits whatever the spec's width; v and the output at the spec's. At
+    8 bits, when q, k and v are views of one tensor that holds just them (timm's qkv output),
+    that tensor is kept instead, once, and backward takes the same views of its rebuild.
 
     Backward dequantizes them in their forward stride order and calls the backend's own
     backward op. Attention masks are not taken here (see ``modules.scaled_dot_product_attention``).
@@ -402,17 +422,30 @@ class SDPAFn(torch.autograd.Function):
         # q and k at 8 bits even when the spec asks for fewer: backward rebuilds the attention
         # probabilities as exp(q k^T * scale - logsumexp), which exponentiates their error
         # (at 2 bits all four low gave gradients 70 dB worse than keeping q, k at 8 bits).
-        qk_spec = spec if spec.bits == 8 else dataclasses.replace(spec, bits=8, rounding=None)
-        kept = [
-            _keep_in_memory_order(t, s)
-            for t, s in zip((q, k, v, out), (qk_spec, qk_spec, spec, spec), strict=True)
-        ]
-        ctx.orders = [order for _, order in kept]
         out = _fresh(out)
+        po, o_order = _keep_in_memory_order(out, spec)
+        base = _joint_base(q, k, v) if spec.bits == 8 else None
+        if base is not None:
+            # q, k and v are views of one tensor (timm's qkv output, reshaped and unbound):
+            # one copy of it, no gathering copies, one launch; backward takes the same views
+            kept = [quant.quantize(base, spec)]
+            ctx.views = [
+                (t.shape, t.stride(), t.storage_offset() - base.storage_offset()) for t in (q, k, v)
+            ]
+            ctx.orders = [o_order]
+        else:
+            # q and k at 8 bits even when the spec asks for fewer: backward rebuilds the
+            # attention probabilities as exp(q k^T * scale - logsumexp), which exponentiates
+            # their error (at 2 bits all four low gave gradients 70 dB worse than q, k at 8)
+            qk_spec = spec if spec.bits == 8 else dataclasses.replace(spec, bits=8, rounding=None)
+            kept = [_keep_in_memory_order(t, s) for t, s in ((q, qk_spec), (k, qk_spec), (v, spec))]
+            ctx.views = None
+            ctx.orders = [order for _, order in kept] + [o_order]
+            kept = [p for p, _ in kept]
         # the output, in memory order, is also the projection's input (timm reshapes it to
         # (B, N, C), a view when the backend wrote it (B, N, H, D)-contiguous as cuDNN does)
-        quant.share(out, kept[3][0], memory_order=True)
-        quant.save(ctx, *(p for p, _ in kept), lse, *extra)
+        quant.share(out, po, memory_order=True)
+        quant.save(ctx, *kept, po, lse, *extra)
         ctx.cfg = (backend, dropout_p, is_causal, scale)
         return out
 
@@ -420,7 +453,13 @@ class SDPAFn(torch.autograd.Function):
     @_first_order_only
     def backward(ctx, grad):
         saved = quant.load(ctx)
-        q, k, v, out = (_restore(p, o) for p, o in zip(saved[:4], ctx.orders, strict=True))
+        if ctx.views is not None:  # one copy of the tensor q, k and v are views of
+            base = quant.dequantize(saved[0]).reshape(-1)
+            q, k, v = (base.as_strided(*view) for view in ctx.views)
+            saved = [None, None, *saved]
+        else:
+            q, k, v = (_restore(p, o) for p, o in zip(saved[:3], ctx.orders[:3], strict=True))
+        out = _restore(saved[3], ctx.orders[-1])
         lse = saved[4]
         backend, dropout_p, is_causal, scale = ctx.cfg
         aten = torch.ops.aten

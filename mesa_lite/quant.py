@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from mesa_lite.config import QuantSpec
 from mesa_lite.kernels import group_quant
+from mesa_lite.kernels.launch import use_triton
 
 __all__ = ["Packed", "quantize", "dequantize", "share", "lookup_shared", "save", "load"]
 
@@ -104,10 +105,6 @@ class Packed:
 MAX_RECIPE_STEPS = 2
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return group_quant.HAS_TRITON and t.is_cuda
-
-
 def _prod(shape) -> int:
     n = 1
     for s in shape:
@@ -125,7 +122,12 @@ def _exact(spec: QuantSpec) -> QuantSpec:
     return dataclasses.replace(spec, exact=True)
 
 
-def quantize(x: torch.Tensor, spec: QuantSpec, signed: bool = True) -> Packed:
+def quantize(
+    x: torch.Tensor,
+    spec: QuantSpec,
+    signed: bool = True,
+    normalize: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> Packed:
     """Compresses ``x`` as ``spec`` says (in its logical, row-major order).
 
     Args:
@@ -133,24 +135,32 @@ def quantize(x: torch.Tensor, spec: QuantSpec, signed: bool = True) -> Packed:
             exactly (documented passthrough: fp64 training keeps its precision).
         spec: the layer's QuantSpec.
         signed: False for tensors known to be non-negative (unsigned codes, one more bit).
+        normalize: ``(mean, rstd)`` per row: keep the fp32 ``(x.float() - mean) * rstd``
+            instead (a LayerNorm's normalized input), computed inside the quantize kernel.
+            Not with ``spec.exact`` or an uncompressible ``x``.
     """
     if not spec.exact and not compressible(x):
         spec = _exact(spec)
     if spec.exact:
+        if normalize is not None:
+            raise ValueError("quant.quantize: normalize needs a compressed spec")
         return Packed(x, None, x.shape, x.dtype, spec, signed)
     codes, scales = group_quant.quantize(
         x,
         spec.group_size,
         signed=signed,
         stochastic=spec.stochastic,
-        use_triton=_use_triton(x),
+        use_triton=use_triton(x),
         bits=spec.bits,
+        normalize=normalize,
     )
-    return Packed(codes, scales, x.shape, x.dtype, spec, signed)
+    dtype = x.dtype if normalize is None else torch.float32
+    return Packed(codes, scales, x.shape, dtype, spec, signed)
 
 
-def _stored(p: Packed, dtype: torch.dtype) -> torch.Tensor:
-    """The stored tensor (before any recipe), flat unless exact, in ``dtype``."""
+def _stored(p: Packed, dtype: torch.dtype, epilogue: tuple | None = None) -> torch.Tensor:
+    """The stored tensor (before any recipe), flat unless exact, in ``dtype``; a compressed
+    one through a dequantize ``epilogue`` (see ``group_quant.dequantize``)."""
     if p.spec.exact:
         return p.codes.to(dtype)
     return group_quant.dequantize(
@@ -158,10 +168,11 @@ def _stored(p: Packed, dtype: torch.dtype) -> torch.Tensor:
         p.scales,
         p.spec.group_size,
         dtype,
-        use_triton=_use_triton(p.codes),
+        use_triton=use_triton(p.codes),
         bits=p.spec.bits,
         signed=p.signed,
         numel=_prod(p.shape),
+        epilogue=epilogue,
     )
 
 
@@ -171,11 +182,18 @@ def dequantize(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
     Each step runs in the dtype its forward op ran in (the GELU's input dtype; the affine
     step in fp32, as LayerNorm outputs are narrow), with one cast between steps and one at
     the end; in the exact (debug) mode steps rerun the very ops of the forward on the exact
-    input, so results are bit-identical.
+    input, so results are bit-identical. A compressed recipe of one step runs inside the
+    dequantize kernel (one pass, no full-precision temporaries).
     """
     dtype = p.dtype if dtype is None else dtype
     if not p.recipe:
         return _stored(p, dtype).view(p.shape)
+    if len(p.recipe) == 1 and not p.spec.exact:
+        step = p.recipe[0]
+        if step[0] == "affine":
+            return _stored(p, dtype, _affine(*p.aux)).view(p.shape)
+        if step[0] == "gelu":
+            return _stored(p, dtype, ("gelu", step[2], step[1])).view(p.shape)
     aux = iter(p.aux)
     h = None
     for i, step in enumerate(p.recipe):
@@ -188,11 +206,7 @@ def dequantize(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
             if p.spec.exact:  # codes: the LayerNorm input itself
                 h = F.layer_norm(p.codes, normalized_shape, weight, bias, eps)
                 continue
-            h = _stored(p, torch.float32).view(p.shape)
-            if weight is not None:
-                h = h * weight.float()
-            if bias is not None:
-                h = h + bias.float()
+            h = _stored(p, torch.float32, _affine(weight, bias)).view(p.shape)
         elif kind == "gelu":
             if h is None:
                 # in the stored dtype, as the forward's GELU ran: an fp32 detour would allocate
@@ -202,6 +216,16 @@ def dequantize(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
         else:
             raise ValueError(f"unknown recipe step {step!r}")
     return h.to(dtype).view(p.shape)
+
+
+def _affine(weight, bias) -> tuple | None:
+    return None if weight is None and bias is None else ("affine", weight, bias)
+
+
+def unnormalize(p: Packed, mean: torch.Tensor, rstd: torch.Tensor, dtype: torch.dtype):
+    """A LayerNorm's input rebuilt from its kept normalized input: ``x_hat / rstd + mean``
+    (``mean`` where ``rstd`` is 0), in ``dtype``, in one pass."""
+    return _stored(p, dtype, ("unnormalize", mean, rstd)).view(p.shape)
 
 
 # ---- sharing one copy between ops ------------------------------------------------------------

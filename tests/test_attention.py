@@ -109,3 +109,40 @@ def test_sdpa_plain_without_grad(device):
     with torch.no_grad():
         out = mesa_sdpa(q, k, v, spec=QuantSpec())
     assert out.grad_fn is None
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["debug_exact", "int8"])
+def test_sdpa_on_views_of_one_qkv_tensor_keeps_it_once(exact, device):
+    """timm's layout: q, k, v unbound from one (B, N, 3, H, D) tensor. At 8 bits that tensor is
+    kept once (one int8 copy of 3 x B*N*C elements, no gathering copies) and backward takes
+    the same strided views of its rebuild: exact gradients in debug_exact, SQNR floor at int8."""
+    g = torch.Generator().manual_seed(3)
+    B, N, H, D = 2, 40, 3, 16
+    qkv = torch.randn(B, N, 3 * H * D, generator=g).to(device).requires_grad_()
+    spec = QuantSpec(exact=exact)
+
+    def run(sdpa):
+        q, k, v = qkv.reshape(B, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
+        return sdpa(q, k, v)
+
+    shapes = []
+
+    def pack(t):
+        shapes.append((t.dtype, t.numel()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run(lambda q, k, v: mesa_sdpa(q, k, v, spec=spec))
+    ref = run(F.scaled_dot_product_attention)
+    assert_equal(out, ref, "forward")
+    n = B * N * H * D
+    if not exact:
+        codes = [s for s in shapes if s[0] == torch.int8]
+        assert sorted(c[1] for c in codes) == [n, 3 * n], codes  # qkv once, the output once
+    grad = torch.randn(ref.shape, generator=g).to(device)
+    (gref,) = torch.autograd.grad(ref, qkv, grad)
+    (gout,) = torch.autograd.grad(out, qkv, grad)
+    if exact:
+        assert_equal(gout, gref, "grad of qkv")
+    else:
+        assert sqnr_db(gref, gout) >= FLOORS[8]

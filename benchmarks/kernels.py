@@ -1,0 +1,217 @@
+"""Every Triton kernel against a device-to-device copy of the same bytes and against the torch
+op it accompanies, on DeiT-Ti/S/B activation shapes (GPU only).
+
+Shapes: batch 128 x 197 tokens x width C (LayerNorm inputs, qkv/proj inputs) and x 4C (the
+MLP's hidden activation), fp16, groups of 128. A kernel's bytes are what it must read and write
+(codes 1 byte per element, fp32 scales, fp16 tensors 2 bytes); its GB/s is those bytes over
+its median time (CUDA events, 30 repetitions), "vs copy" that against a ``clone`` of its
+largest fp16 tensor (read + write at copy bandwidth). Also reported: host microseconds per
+launch of the quantize kernel through mesa_lite's launcher (cached compiled kernel called
+directly) and through ``kernel[grid]`` (Triton's JIT path), beside ``torch.add``.
+
+    python benchmarks/kernels.py --out benchmarks/results/kernels_gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    __package__ = "benchmarks"
+
+from .common import (
+    Outputs,
+    add_out_argument,
+    argument_parser,
+    cuda_median_ms,
+    environment,
+    lazy_import,
+    markdown_table,
+    positive_int,
+    progress,
+    say,
+)
+
+torch = lazy_import("torch")
+gq = lazy_import("mesa_lite.kernels.group_quant")
+kg = lazy_import("mesa_lite.kernels.gelu")
+launch = lazy_import("mesa_lite.kernels.launch")
+
+WIDTHS = {"deit_tiny": 192, "deit_small": 384, "deit_base": 768}
+
+
+def _ms(fn) -> float:
+    return cuda_median_ms(fn, reps=30, warmup=3)
+
+
+def _cases(rows: int, width: int, g: int) -> list[tuple[str, int, object, object]]:
+    """(kernel, bytes moved, kernel call, the torch op it accompanies or None)."""
+    f16 = torch.float16
+    x = torch.randn(rows, width, device="cuda", dtype=f16)
+    h = torch.randn(rows, 4 * width, device="cuda", dtype=f16)
+    w = torch.randn(width, device="cuda", dtype=f16)
+    b = torch.randn(width, device="cuda", dtype=f16)
+    _, mean, rstd = torch.native_layer_norm(x, (width,), w, b, 1e-6)
+    cx, sx = gq.quantize(x, g)
+    ch, sh = gq.quantize(h, g)
+    n, m = x.numel(), h.numel()
+    scale_x, scale_h = sx.numel() * 4, sh.numel() * 4
+    stats = 2 * rows * 4
+    return [
+        ("quantize", 2 * n + n + scale_x, lambda: gq.quantize(x, g), None),
+        (
+            "quantize (4C)",
+            2 * m + m + scale_h,
+            lambda: gq.quantize(h, g),
+            lambda: torch.nn.functional.gelu(h),
+        ),
+        (
+            "quantize normalized (LayerNorm)",
+            2 * n + stats + n + scale_x,
+            lambda: gq.quantize(x, g, normalize=(mean, rstd)),
+            lambda: torch.native_layer_norm(x, (width,), w, b, 1e-6),
+        ),
+        ("dequantize", n + scale_x + 2 * n, lambda: gq.dequantize(cx, sx, g, f16), None),
+        ("dequantize (4C)", m + scale_h + 2 * m, lambda: gq.dequantize(ch, sh, g, f16), None),
+        (
+            "dequantize affine (LayerNorm output)",
+            n + scale_x + 2 * n,
+            lambda: gq.dequantize(cx, sx, g, f16, epilogue=("affine", w, b)),
+            None,
+        ),
+        (
+            "dequantize unnormalize (LayerNorm input)",
+            n + scale_x + stats + 2 * n,
+            lambda: gq.dequantize(cx, sx, g, f16, epilogue=("unnormalize", mean, rstd)),
+            lambda: torch.ops.aten.native_layer_norm_backward(
+                x, x, (width,), mean, rstd, w, b, [True, True, True]
+            ),
+        ),
+        (
+            "dequantize GELU (fc2 input, 4C)",
+            m + scale_h + 2 * m,
+            lambda: gq.dequantize(ch, sh, g, f16, epilogue=("gelu", "none", f16)),
+            lambda: torch.nn.functional.gelu(h),
+        ),
+        (
+            "GELU backward from codes (4C)",
+            m + scale_h + 4 * m,
+            lambda: kg.gelu_backward(h, ch, sh, g, f16),
+            lambda: torch.ops.aten.gelu_backward(h, h),
+        ),
+    ]
+
+
+def _measure(model: str, width: int, batch: int, g: int) -> list[dict]:
+    rows = []
+    for name, nbytes, fn, op in _cases(batch * 197, width, g):
+        biggest = 2 * batch * 197 * width * (4 if "4C" in name else 1)
+        src = torch.empty(biggest // 2, device="cuda", dtype=torch.float16)
+        copy_ms = _ms(lambda src=src: src.clone())
+        ms = _ms(fn)
+        row = {"model": model, "kernel": name, "ms": ms, "bytes": nbytes,
+               "gbs": nbytes / ms / 1e6, "copy_gbs": 2 * biggest / copy_ms / 1e6,
+               "torch_op_ms": _ms(op) if op is not None else None}  # fmt: skip
+        row["vs_copy"] = row["gbs"] / row["copy_gbs"]
+        rows.append(row)
+    return rows
+
+
+def host_us_per_launch(reps: int = 2000) -> dict:
+    """Host time per call (small tensor, so the device is idle): torch.add, quantize through
+    the launcher's cached kernel, and quantize through ``kernel[grid]``."""
+    x = torch.randn(4096, device="cuda", dtype=torch.float16)
+    out = {}
+    for name, direct, fn in [
+        ("torch.add", True, lambda: x.add(1)),
+        ("quantize (direct launch)", True, lambda: gq.quantize(x, 128)),
+        ("quantize (kernel[grid])", False, lambda: gq.quantize(x, 128)),
+    ]:
+        launch.Launcher.direct = direct
+        try:
+            for _ in range(50):
+                fn()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        finally:
+            launch.Launcher.direct = True
+        out[name] = (time.perf_counter() - t) / reps * 1e6
+    out["launcher cache entries"] = len(gq._QUANTIZE._cache)
+    return out
+
+
+def host_profile(calls: int = 500) -> str:
+    """Where the host time of one quantize call goes (cProfile, top entries by own time)."""
+    import cProfile
+    import io
+    import pstats
+
+    x = torch.randn(4096, device="cuda", dtype=torch.float16)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        gq.quantize(x, 128)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+    return text.getvalue()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (no heavy import: ``--help`` answers at once)."""
+    p = argument_parser(__doc__)
+    p.add_argument("--models", nargs="+", choices=list(WIDTHS), default=list(WIDTHS),
+                   help="activation shapes of these models")  # fmt: skip
+    p.add_argument("--batch-size", type=positive_int, default=128, help="images per step")
+    p.add_argument("--group-size", type=positive_int, default=128, help="elements per scale")
+    add_out_argument(p, "kernels", "PREFIX.jsonl and PREFIX.md")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    return args
+
+
+def run(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    env = environment()
+    host = {k: round(v, 1) for k, v in host_us_per_launch().items()}
+    say(f"host us per call: {host}")
+    profile = host_profile()
+    rows = []
+    for model in progress(args.models, desc="models"):
+        rows += _measure(model, WIDTHS[model], args.batch_size, args.group_size)
+    for r in rows:
+        r.update(env)
+    cols = [("model", "model", ""), ("kernel", "kernel", ""), ("ms", "ms", ".3f"),
+            ("gbs", "GB/s", ".0f"), ("copy_gbs", "copy GB/s", ".0f"), ("vs_copy", "vs copy", ".0%"),
+            ("torch_op_ms", "torch op ms", ".3f")]  # fmt: skip
+    head = (
+        f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
+        f"fp16, batch {args.batch_size} x 197 tokens, groups of {args.group_size}. "
+        f"torch op: the op the kernel accompanies (LayerNorm forward/backward, GELU "
+        f"forward/backward), for scale.\n\nHost us per call: {host}\n\n"
+    )
+    tail = f"\nHost profile of 500 quantize calls:\n\n```\n{profile.strip()}\n```\n"
+    Outputs(args.out, "kernels").write_report(rows, head + markdown_table(rows, cols) + "\n" + tail)
+    return rows
+
+
+def main(argv=None) -> int:
+    run(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
