@@ -339,6 +339,22 @@ def cuda_median_ms(fn, reps: int = 50, warmup: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def host_us_per_call(calls: dict, reps: int = 2000) -> dict:
+    """Microseconds per call of each function on a CUDA device, after 50 warm-up calls, with
+    one synchronization per timing (small work: the host's time)."""
+    out = {}
+    for name, fn in calls.items():
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        out[name] = (time.perf_counter() - t) / reps * 1e6
+    return out
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
@@ -29,6 +28,7 @@ from .common import (
     argument_parser,
     cuda_median_ms,
     environment,
+    host_us_per_call,
     lazy_import,
     markdown_table,
     positive_int,
@@ -38,7 +38,6 @@ from .common import (
 
 torch = lazy_import("torch")
 gq = lazy_import("mesa_lite.kernels.group_quant")
-kg = lazy_import("mesa_lite.kernels.gelu")
 launch = lazy_import("mesa_lite.kernels.launch")
 
 WIDTHS = {"deit_tiny": 192, "deit_small": 384, "deit_base": 768}
@@ -100,7 +99,7 @@ def _cases(rows: int, width: int, g: int) -> list[tuple[str, int, object, object
         (
             "GELU backward from codes (4C)",
             m + scale_h + 4 * m,
-            lambda: kg.gelu_backward(h, ch, sh, g, f16),
+            lambda: gq.dequantize(ch, sh, g, f16, epilogue=("gelu_backward", "none", h)),
             lambda: torch.ops.aten.gelu_backward(h, h),
         ),
     ]
@@ -121,28 +120,18 @@ def _measure(model: str, width: int, batch: int, g: int) -> list[dict]:
     return rows
 
 
-def host_us_per_launch(reps: int = 2000) -> dict:
+def host_us_per_launch() -> dict:
     """Host time per call (small tensor, so the device is idle): torch.add, quantize through
     the launcher's cached kernel, and quantize through ``kernel[grid]``."""
     x = torch.randn(4096, device="cuda", dtype=torch.float16)
-    out = {}
-    for name, direct, fn in [
-        ("torch.add", True, lambda: x.add(1)),
-        ("quantize (direct launch)", True, lambda: gq.quantize(x, 128)),
-        ("quantize (kernel[grid])", False, lambda: gq.quantize(x, 128)),
-    ]:
-        launch.Launcher.direct = direct
-        try:
-            for _ in range(50):
-                fn()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            torch.cuda.synchronize()
-        finally:
-            launch.Launcher.direct = True
-        out[name] = (time.perf_counter() - t) / reps * 1e6
+    out = host_us_per_call(
+        {"torch.add": lambda: x.add(1), "quantize (direct launch)": lambda: gq.quantize(x, 128)}
+    )
+    launch.Launcher.direct = False
+    try:
+        out.update(host_us_per_call({"quantize (kernel[grid])": lambda: gq.quantize(x, 128)}))
+    finally:
+        launch.Launcher.direct = True
     out["launcher cache entries"] = len(gq._QUANTIZE._cache)
     return out
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
@@ -24,6 +23,7 @@ from .common import (
     add_out_argument,
     argument_parser,
     check_timm_models,
+    host_us_per_call,
     lazy_import,
     positive_int,
     progress,
@@ -36,25 +36,15 @@ torch = lazy_import("torch")
 gq = lazy_import("mesa_lite.kernels.group_quant")
 
 
-def launch_overhead_us(reps: int = 2000) -> dict:
+def launch_overhead_us() -> dict:
     """Host time per call of a small op: Triton quantize/dequantize against torch.add."""
     x = torch.randn(4096, device="cuda", dtype=torch.float16)
     codes, scales = gq.quantize(x, 128)
-    out = {}
-    for name, fn in {
+    return host_us_per_call({
         "torch.add": lambda: x.add(1),
         "quantize": lambda: gq.quantize(x, 128),
         "dequantize": lambda: gq.dequantize(codes, scales, 128, torch.float16),
-    }.items():
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-        out[name] = (time.perf_counter() - t) / reps * 1e6
-    return out
+    })  # fmt: skip
 
 
 def kernel_ms(events) -> float:

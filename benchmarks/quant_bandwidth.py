@@ -33,17 +33,13 @@ torch = lazy_import("torch")
 gq = lazy_import("mesa_lite.kernels.group_quant")
 
 
-def _ms(fn) -> float:
-    return cuda_median_ms(fn, reps=50, warmup=5)
-
-
 def _measure(n: int, g: int, dtype: torch.dtype) -> dict:
     x = torch.randn(n, device="cuda", dtype=dtype)
     codes, scales = gq.quantize(x, g)
     el = x.element_size()
-    copy_ms = _ms(lambda: x.clone())
-    q_ms = _ms(lambda: gq.quantize(x, g))
-    d_ms = _ms(lambda: gq.dequantize(codes, scales, g, dtype))
+    copy_ms = cuda_median_ms(lambda: x.clone())
+    q_ms = cuda_median_ms(lambda: gq.quantize(x, g))
+    d_ms = cuda_median_ms(lambda: gq.dequantize(codes, scales, g, dtype))
     moved = n * el + n + scales.numel() * 4
     row = {
         "elements": n,

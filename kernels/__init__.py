@@ -3,7 +3,6 @@
 This package never imports the rest of mesa_lite.
 """
 
-from .gelu import gelu_backward, gelu_backward_ref
 from .group_quant import (
     EPILOGUES,
     HAS_TRITON,
@@ -22,8 +21,6 @@ from .launch import Launcher, use_triton
 __all__ = [
     "EPILOGUES",
     "Launcher",
-    "gelu_backward",
-    "gelu_backward_ref",
     "use_triton",
     "HAS_TRITON",
     "SUPPORTED_BITS",

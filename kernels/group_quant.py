@@ -35,13 +35,15 @@ import functools
 
 import torch
 
-from .launch import HAS_TRITON, Launcher, interpreting
+from .launch import HAS_TRITON, INTERPRETING, Launcher
 from .launch import use_triton as use_triton_for
 
 if HAS_TRITON:  # without it (or without CUDA) the reference runs
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
+
+    from .gelu import gelu_backward_fp32, gelu_fp32
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SUPPORTED_BITS = (8, 4, 2)
@@ -293,23 +295,12 @@ if HAS_TRITON:
         return q * s
 
     @triton.jit
-    def gelu_fp32(x, TANH: tl.constexpr):
-        """GELU in fp32 with PyTorch's CUDA formulas (exact erf, or the tanh approximation)."""
-        if TANH:
-            inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
-            e = tl.exp(-2.0 * tl.abs(inner))
-            t = (1.0 - e) / (1.0 + e)
-            return 0.5 * x * (1.0 + tl.where(inner < 0, -t, t))
-        else:
-            return x * 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
-
-    @triton.jit
     def _dequantize_kernel(
         codes_ptr,  # (n,) int8/uint8 at 8 bits; (ceil(n / PER_BYTE),) uint8 below
         scales_ptr,  # (n_groups,) fp32
         out_ptr,  # (n,) fp32/fp16, or int16 holding bf16 bits when OUT_BF16
-        p1_ptr,  # EPI 1: weight (row_len,); EPI 2: mean (n // row_len,) fp32
-        p2_ptr,  # EPI 1: bias (row_len,); EPI 2: rstd (n // row_len,) fp32
+        p1_ptr,  # EPI 1: weight (row_len,); EPI 2: mean (n // row_len,); EPI 5, 6: grad (n,)
+        p2_ptr,  # EPI 1: bias (row_len,); EPI 2: rstd (n // row_len,)
         n,
         n_groups,
         group_size,
@@ -318,10 +309,11 @@ if HAS_TRITON:
         BITS: tl.constexpr,
         PER_BYTE: tl.constexpr,  # 8 // BITS, a power of two: // and % are shifts and masks
         OUT_BF16: tl.constexpr,
-        EPI: tl.constexpr,  # 0 none, 1 affine, 2 unnormalize, 3 GELU (erf), 4 GELU (tanh)
+        # 0 none, 1 affine, 2 unnormalize, 3/4 GELU (erf/tanh), 5/6 GELU backward (erf/tanh)
+        EPI: tl.constexpr,
         HAS_P1: tl.constexpr,
         HAS_P2: tl.constexpr,
-        MID: tl.constexpr,  # GELU: its input dtype, 0 fp32, 1 fp16, 2 bf16
+        MID: tl.constexpr,  # GELU (backward): its input dtype, 0 fp32, 1 fp16, 2 bf16
         RN: tl.constexpr,  # compiled: explicit round-to-nearest ops, which are never fused
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -350,8 +342,11 @@ if HAS_TRITON:
                 m = tl.load(p1_ptr + r, mask=mask, other=0.0).to(tl.float32)
                 rs = tl.load(p2_ptr + r, mask=mask, other=1.0).to(tl.float32)
                 v = tl.where(rs == 0.0, m, tl.math.div_rn(v, rs) + m)
-            elif EPI >= 3:
+            elif EPI == 3 or EPI == 4:
                 v = gelu_fp32(round_to(v, MID), EPI == 4)
+            elif EPI >= 5:
+                dy = tl.load(p1_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                v = gelu_backward_fp32(round_to(v, MID), dy, EPI == 6)
             store_as(out_ptr, offs, v, mask, OUT_BF16)
 
 
@@ -367,7 +362,7 @@ def _code_dtype(signed: bool, bits: int) -> torch.dtype:
     return torch.int8 if (signed and bits == 8) else torch.uint8
 
 
-EPILOGUES = ("affine", "unnormalize", "gelu")
+EPILOGUES = ("affine", "unnormalize", "gelu", "gelu_backward")
 _GELU_MID = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -388,14 +383,15 @@ def _check_normalize(normalize, n: int) -> int:
     return n // rows
 
 
-def _epilogue_args(epilogue, n: int, device) -> tuple:
-    """(EPI, p1, p2, row_len, HAS_P1, HAS_P2, MID) for the dequantize kernel, checked."""
+def _epilogue_args(epilogue, n: int, dtype: torch.dtype) -> tuple:
+    """(EPI, p1, p2, row_len, HAS_P1, HAS_P2, MID) for the dequantize kernel, checked (``n``
+    elements rebuilt in ``dtype``)."""
     kind = epilogue[0]
     if kind == "affine":
         _, w, b = epilogue
-        row_len = next((t.numel() for t in (w, b) if t is not None), 0)
         sizes = {t.numel() for t in (w, b) if t is not None}
-        if row_len == 0 or n % row_len or len(sizes) != 1:
+        row_len = sizes.pop() if len(sizes) == 1 else 0
+        if row_len == 0 or n % row_len:
             raise ValueError(f"dequantize: affine weight/bias must split {n} elements in rows")
         return 1, w, b, row_len, w is not None, b is not None, 0
     if kind == "unnormalize":
@@ -407,6 +403,14 @@ def _epilogue_args(epilogue, n: int, device) -> tuple:
         if approximate not in ("none", "tanh") or mid not in _GELU_MID:
             raise ValueError(f"dequantize: bad gelu epilogue {epilogue!r}")
         return 3 + (approximate == "tanh"), None, None, 1, False, False, _GELU_MID[mid]
+    if kind == "gelu_backward":
+        _, approximate, grad = epilogue
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"dequantize: gelu_backward approximate must be 'none' or 'tanh', "
+                             f"got {approximate!r}")  # fmt: skip
+        if not isinstance(grad, torch.Tensor) or grad.numel() != n:
+            raise ValueError(f"dequantize: gelu_backward needs a gradient of {n} elements")
+        return 5 + (approximate == "tanh"), grad, None, 1, True, False, _GELU_MID[dtype]
     raise ValueError(f"dequantize: epilogue must be one of {EPILOGUES}, got {kind!r}")
 
 
@@ -544,7 +548,10 @@ def dequantize(
             torch's separate ops); ``("unnormalize", mean, rstd)`` gives
             ``v / rstd + mean`` per row (``mean`` where ``rstd`` is 0), a LayerNorm's input
             from its normalized input; ``("gelu", approximate, mid)`` gives GELU of ``v``
-            rounded to ``mid`` (the dtype the forward GELU ran in), computed in fp32.
+            rounded to ``mid`` (the dtype the forward GELU ran in), computed in fp32;
+            ``("gelu_backward", approximate, grad)`` gives GELU's input gradient
+            ``grad * gelu'(v)``, ``v`` rounded to ``dtype`` (the GELU input's dtype) and
+            ``grad`` (the output gradient, ``numel`` elements in row-major order) read in place.
 
     Returns:
         A flat, contiguous tensor with ``numel`` elements.
@@ -562,7 +569,7 @@ def dequantize(
     if epilogue is None:
         epi, p1, p2, row_len, has1, has2, mid = 0, None, None, 1, False, False, 0
     else:
-        epi, p1, p2, row_len, has1, has2, mid = _epilogue_args(epilogue, numel, codes.device)
+        epi, p1, p2, row_len, has1, has2, mid = _epilogue_args(epilogue, numel, dtype)
     p1 = codes if p1 is None else p1.contiguous()
     p2 = codes if p2 is None else p2.contiguous()
     bf16 = dtype == torch.bfloat16
@@ -573,7 +580,7 @@ def dequantize(
         codes, scales.contiguous(), out.view(torch.int16) if bf16 else out, p1, p2,
         numel, ng, group_size, row_len,
         qrange(signed, bits)[0], bits, per_byte(bits), bf16, epi, has1, has2, mid,
-        not interpreting(), rows, block,
+        not INTERPRETING, rows, block,
     )  # fmt: skip
     return out
 
@@ -589,12 +596,12 @@ def _resolve_layout(codes, bits, signed, numel) -> tuple[int, bool]:
     return numel, signed
 
 
-def epilogue_ref(v: torch.Tensor, epilogue: tuple | None) -> torch.Tensor:
-    """The reference of a dequantize epilogue on the flat fp32 product ``v`` (fp32 result)."""
+def epilogue_ref(v: torch.Tensor, epilogue: tuple | None, dtype: torch.dtype) -> torch.Tensor:
+    """The reference of a dequantize epilogue on the flat fp32 product ``v``, rebuilding a
+    tensor of ``dtype`` (fp32 result; the caller casts)."""
     if epilogue is None:
         return v
-    n = v.numel()
-    epi, p1, p2, row_len, _, _, _ = _epilogue_args(epilogue, n, v.device)
+    epi, p1, p2, row_len, _, _, _ = _epilogue_args(epilogue, v.numel(), dtype)
     if epi == 1:
         rows = v.view(-1, row_len)
         if p1 is not None:
@@ -606,8 +613,11 @@ def epilogue_ref(v: torch.Tensor, epilogue: tuple | None) -> torch.Tensor:
         rows = v.view(-1, row_len)
         mean, rstd = p1.reshape(-1, 1).float(), p2.reshape(-1, 1).float()
         return torch.where(rstd == 0, mean, rows / rstd + mean).reshape(-1)
-    _, approximate, mid = epilogue
-    return torch.nn.functional.gelu(v.to(mid).float(), approximate=approximate)
+    approximate = epilogue[1]
+    if epi <= 4:
+        return torch.nn.functional.gelu(v.to(epilogue[2]).float(), approximate=approximate)
+    grad = p1.reshape(-1).to(dtype)
+    return torch.ops.aten.gelu_backward(grad, v.to(dtype), approximate=approximate).float()
 
 
 def dequantize_ref(
@@ -643,4 +653,4 @@ def dequantize_ref(
         return out
     v = torch.nn.functional.pad(q, (0, -n % group_size)).view(-1, group_size)
     v = (v * scales[:, None]).view(-1)[:n]
-    return epilogue_ref(v, epilogue).to(dtype)
+    return epilogue_ref(v, epilogue, dtype).to(dtype)

@@ -34,9 +34,8 @@ def use_triton(t: torch.Tensor) -> bool:
     return HAS_TRITON and t.is_cuda
 
 
-def interpreting() -> bool:
-    """Triton runs kernels in its interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Triton runs kernels in its interpreter: read once, as Triton reads it when a kernel is defined
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 try:
@@ -113,6 +112,6 @@ class Launcher:
                 run(grid[0], g1, g2, stream, function, metadata, None, None, None, *args)
                 return
         kernel = self.fn[grid](*args)
-        if fast and not interpreting() and hasattr(kernel, "packed_metadata"):
+        if fast and not INTERPRETING and hasattr(kernel, "packed_metadata"):
             run = kernel.run  # first: binds the launcher (and the function handle) now
             self._cache[key] = (run, kernel.function, kernel.packed_metadata)

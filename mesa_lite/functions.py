@@ -24,8 +24,6 @@ import torch.nn.functional as F
 
 from mesa_lite import quant
 from mesa_lite.config import QuantSpec
-from mesa_lite.kernels import gelu as group_quant_gelu
-from mesa_lite.kernels.launch import use_triton
 
 # ---- the dtype autocast gives an op ---------------------------------------------------------
 
@@ -199,11 +197,7 @@ class GELUFn(torch.autograd.Function):
     def backward(ctx, grad):
         (px,) = quant.load(ctx)
         if not px.recipe and not px.spec.exact:  # one kernel: x is rebuilt in registers
-            gx = group_quant_gelu.gelu_backward(
-                grad, px.codes, px.scales, px.spec.group_size, ctx.x_dtype, ctx.approximate,
-                use_triton=use_triton(grad), bits=px.spec.bits, signed=px.signed,
-            )  # fmt: skip
-            return gx, None, None, None
+            return quant.gelu_backward(px, grad, ctx.approximate, ctx.x_dtype), None, None, None
         x = quant.dequantize(px, ctx.x_dtype)
         return torch.ops.aten.gelu_backward(grad, x, approximate=ctx.approximate), None, None, None
 
@@ -419,11 +413,8 @@ class SDPAFn(torch.autograd.Function):
             extra = (seed, offset)
         else:
             raise ValueError(f"mesa_lite SDPAFn: backend {backend} is not supported")
-        # q and k at 8 bits even when the spec asks for fewer: backward rebuilds the attention
-        # probabilities as exp(q k^T * scale - logsumexp), which exponentiates their error
-        # (at 2 bits all four low gave gradients 70 dB worse than keeping q, k at 8 bits).
         out = _fresh(out)
-        po, o_order = _keep_in_memory_order(out, spec)
+        po, ctx.o_order = _keep_in_memory_order(out, spec)
         base = _joint_base(q, k, v) if spec.bits == 8 else None
         if base is not None:
             # q, k and v are views of one tensor (timm's qkv output, reshaped and unbound):
@@ -432,7 +423,6 @@ class SDPAFn(torch.autograd.Function):
             ctx.views = [
                 (t.shape, t.stride(), t.storage_offset() - base.storage_offset()) for t in (q, k, v)
             ]
-            ctx.orders = [o_order]
         else:
             # q and k at 8 bits even when the spec asks for fewer: backward rebuilds the
             # attention probabilities as exp(q k^T * scale - logsumexp), which exponentiates
@@ -440,7 +430,7 @@ class SDPAFn(torch.autograd.Function):
             qk_spec = spec if spec.bits == 8 else dataclasses.replace(spec, bits=8, rounding=None)
             kept = [_keep_in_memory_order(t, s) for t, s in ((q, qk_spec), (k, qk_spec), (v, spec))]
             ctx.views = None
-            ctx.orders = [order for _, order in kept] + [o_order]
+            ctx.orders = [order for _, order in kept]
             kept = [p for p, _ in kept]
         # the output, in memory order, is also the projection's input (timm reshapes it to
         # (B, N, C), a view when the backend wrote it (B, N, H, D)-contiguous as cuDNN does)
@@ -456,11 +446,11 @@ class SDPAFn(torch.autograd.Function):
         if ctx.views is not None:  # one copy of the tensor q, k and v are views of
             base = quant.dequantize(saved[0]).reshape(-1)
             q, k, v = (base.as_strided(*view) for view in ctx.views)
-            saved = [None, None, *saved]
+            po, lse, *extra = saved[1:]
         else:
-            q, k, v = (_restore(p, o) for p, o in zip(saved[:3], ctx.orders[:3], strict=True))
-        out = _restore(saved[3], ctx.orders[-1])
-        lse = saved[4]
+            q, k, v = (_restore(p, o) for p, o in zip(saved[:3], ctx.orders, strict=True))
+            po, lse, *extra = saved[3:]
+        out = _restore(po, ctx.o_order)
         backend, dropout_p, is_causal, scale = ctx.cfg
         aten = torch.ops.aten
         if q.device.type == "cpu":
@@ -468,14 +458,14 @@ class SDPAFn(torch.autograd.Function):
                 grad, q, k, v, out, lse, dropout_p, is_causal, attn_mask=None, scale=scale
             )
         elif backend == SDPA_EFFICIENT:
-            seed, offset = saved[5:7]
+            seed, offset = extra
             mask = [*ctx.needs_input_grad[:3], False]
             gq, gk, gv, _ = aten._scaled_dot_product_efficient_attention_backward(
                 grad, q, k, v, None, out, lse, seed, offset, dropout_p, mask, is_causal,
                 scale=scale,
             )  # fmt: skip
         else:
-            cum_q, cum_k, seed, offset = saved[5:9]
+            cum_q, cum_k, seed, offset = extra
             max_q, max_k = ctx.max_qk
             if backend == SDPA_CUDNN:
                 gq, gk, gv = aten._scaled_dot_product_cudnn_attention_backward(

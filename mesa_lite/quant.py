@@ -182,20 +182,15 @@ def dequantize(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
     Each step runs in the dtype its forward op ran in (the GELU's input dtype; the affine
     step in fp32, as LayerNorm outputs are narrow), with one cast between steps and one at
     the end; in the exact (debug) mode steps rerun the very ops of the forward on the exact
-    input, so results are bit-identical. A compressed recipe of one step runs inside the
-    dequantize kernel (one pass, no full-precision temporaries).
+    input, so results are bit-identical. Compressed, the first step runs inside the dequantize
+    kernel (one pass, no full-precision temporaries), in the final dtype when it is the last.
     """
     dtype = p.dtype if dtype is None else dtype
     if not p.recipe:
         return _stored(p, dtype).view(p.shape)
-    if len(p.recipe) == 1 and not p.spec.exact:
-        step = p.recipe[0]
-        if step[0] == "affine":
-            return _stored(p, dtype, _affine(*p.aux)).view(p.shape)
-        if step[0] == "gelu":
-            return _stored(p, dtype, ("gelu", step[2], step[1])).view(p.shape)
     aux = iter(p.aux)
     h = None
+    last = len(p.recipe) - 1
     for i, step in enumerate(p.recipe):
         kind, step_dtype = step[0], step[1]
         if kind == "affine":
@@ -206,13 +201,15 @@ def dequantize(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
             if p.spec.exact:  # codes: the LayerNorm input itself
                 h = F.layer_norm(p.codes, normalized_shape, weight, bias, eps)
                 continue
-            h = _stored(p, torch.float32, _affine(weight, bias)).view(p.shape)
+            out_dtype = dtype if i == last else torch.float32
+            h = _stored(p, out_dtype, _affine(weight, bias)).view(p.shape)
         elif kind == "gelu":
-            if h is None:
-                # in the stored dtype, as the forward's GELU ran: an fp32 detour would allocate
-                # two fp32 temporaries of the MLP's widest activation in the middle of backward
-                h = p.codes if p.spec.exact else _stored(p, step_dtype)
-            h = F.gelu(h.to(step_dtype), approximate=step[2])
+            if h is None and not p.spec.exact:  # the first step: inside the dequantize kernel
+                out_dtype = dtype if i == last else step_dtype
+                h = _stored(p, out_dtype, ("gelu", step[2], step_dtype)).view(p.shape)
+                continue
+            # a later step, or the exact mode: torch's GELU in the dtype the forward's ran in
+            h = F.gelu((p.codes if h is None else h).to(step_dtype), approximate=step[2])
         else:
             raise ValueError(f"unknown recipe step {step!r}")
     return h.to(dtype).view(p.shape)
@@ -220,6 +217,12 @@ def dequantize(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 def _affine(weight, bias) -> tuple | None:
     return None if weight is None and bias is None else ("affine", weight, bias)
+
+
+def gelu_backward(p: Packed, grad: torch.Tensor, approximate: str, dtype: torch.dtype):
+    """GELU's input gradient from the output gradient and ``p``, the GELU input's codes (no
+    recipe, compressed), in one pass: the input is rebuilt in ``dtype`` in registers."""
+    return _stored(p, dtype, ("gelu_backward", approximate, grad)).view(p.shape)
 
 
 def unnormalize(p: Packed, mean: torch.Tensor, rstd: torch.Tensor, dtype: torch.dtype):

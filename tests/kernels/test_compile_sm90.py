@@ -28,11 +28,10 @@ def compile_(fn, signature, constexprs):
                        target=GPUTarget("cuda", 90, 32))
     assert len(k.asm["cubin"]) > 1000
 
-from mesa_lite.kernels import gelu as kg
-
 CASES = [(8, True, False, "*fp16", True, 0), (8, False, True, "*bf16", False, 1),
          (4, True, True, "*fp32", True, 2), (2, False, False, "*fp16", False, 3),
-         (8, True, False, "*bf16", False, 4)]
+         (8, True, False, "*bf16", False, 4), (8, True, False, "*fp16", True, 5),
+         (4, False, True, "*bf16", True, 6)]
 for bits, signed, stochastic, x_dtype, one_pass, epi in CASES:
     per = gq.per_byte(bits)
     qmin, qmax = gq.qrange(signed, bits)
@@ -51,12 +50,6 @@ for bits, signed, stochastic, x_dtype, one_pass, epi in CASES:
              {"QMIN": qmin, "BITS": bits, "PER_BYTE": per, "OUT_BF16": stochastic, "EPI": epi,
               "HAS_P1": True, "HAS_P2": epi != 1, "MID": epi % 3, "RN": True, "ROWS": 32,
               "BLOCK": 128})
-    compile_(kg._gelu_backward_kernel,
-             {"codes_ptr": codes, "scales_ptr": "*fp32", "grad_ptr": x_dtype,
-              "out_ptr": "*i16" if stochastic else "*fp16", "n": "i32", "n_groups": "i32",
-              "group_size": "i32"},
-             {"QMIN": qmin, "BITS": bits, "PER_BYTE": per, "OUT_BF16": stochastic,
-              "TANH": epi % 2 == 1, "MID": epi % 3, "ROWS": 32, "BLOCK": 128})
     print("compiled", bits, signed, stochastic, x_dtype)
 """
 
@@ -67,4 +60,4 @@ def test_kernels_compile_for_sm90():
         [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 5, res.stdout
+    assert res.stdout.count("compiled") == 7, res.stdout

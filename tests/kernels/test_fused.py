@@ -1,6 +1,6 @@
 """The fused kernels against their references: quantizing a LayerNorm's normalized input
-from x, mean and rstd; dequantizing through an epilogue (affine, unnormalize, GELU); GELU's
-backward reading codes; and the direct launcher.
+from x, mean and rstd; dequantizing through an epilogue (affine, unnormalize, GELU, GELU's
+backward reading the codes); and the direct launcher.
 
 Quantize and the affine/unnormalize epilogues are bit for bit (IEEE fp32 operations in the
 same order). GELU uses ``erf``/``exp``, whose implementations differ between Triton and
@@ -10,7 +10,6 @@ torch's CPU kernels, so it is compared to a few ulps of its output dtype.
 import pytest
 import torch
 from conftest import FLOAT_DTYPES, assert_equal
-from mesa_lite.kernels import gelu as kg
 from mesa_lite.kernels import group_quant as gq
 from mesa_lite.kernels.launch import Launcher
 
@@ -117,9 +116,12 @@ def test_dequantize_gelu_and_gelu_backward(dtype, approximate, triton_device):
         atol=0,
     )
     grad = _x(x.shape, dtype, triton_device, seed=4)
-    gk = kg.gelu_backward(grad, codes, scales, 128, dtype, approximate, use_triton=True)
-    gr = kg.gelu_backward_ref(grad.cpu(), codes.cpu(), scales.cpu(), 128, dtype, approximate)
-    assert gk.shape == x.shape and gk.dtype == dtype
+    epi = ("gelu_backward", approximate, grad)
+    gk = gq.dequantize(codes, scales, 128, dtype, use_triton=True, epilogue=epi)
+    epi = ("gelu_backward", approximate, grad.cpu())
+    gr = gq.dequantize_ref(codes.cpu(), scales.cpu(), 128, dtype, epilogue=epi).view(x.shape)
+    assert gk.shape == (x.numel(),) and gk.dtype == dtype
+    gk = gk.view(x.shape)
     # near gelu'(x) = 0 the sum cdf + x * pdf cancels: an absolute bound on the grad's scale
     tol = max(tol, 1e-5)
     atol = tol * grad.abs().max().item()
@@ -132,8 +134,9 @@ def test_gelu_backward_keeps_non_finite(triton_device):
     x = _x((2, 128), torch.float32, triton_device)
     x[0, 0] = float("nan")
     codes, scales = gq.quantize(x, 128, use_triton=True)
-    g = kg.gelu_backward(torch.ones_like(x), codes, scales, 128, torch.float32, use_triton=True)
-    assert g[0].isnan().all() and g[1].isfinite().all()
+    epi = ("gelu_backward", "none", torch.ones_like(x))
+    g = gq.dequantize(codes, scales, 128, torch.float32, use_triton=True, epilogue=epi)
+    assert g.view(2, 128)[0].isnan().all() and g.view(2, 128)[1].isfinite().all()
 
 
 def test_epilogue_argument_errors():
@@ -146,6 +149,11 @@ def test_epilogue_argument_errors():
         gq.quantize(torch.randn(4, 8), 8, normalize=(torch.zeros(3), torch.ones(3)))
     with pytest.raises(TypeError, match="normalize mean"):
         gq.quantize(torch.randn(4, 8), 8, normalize=(torch.zeros(4, dtype=torch.int32),) * 2)
+    with pytest.raises(ValueError, match="gradient of 32 elements"):
+        gq.dequantize(codes, scales, 8, torch.float32, epilogue=("gelu_backward", "none", None))
+    with pytest.raises(ValueError, match="approximate must be"):
+        epi = ("gelu_backward", "erf", torch.ones(32))
+        gq.dequantize(codes, scales, 8, torch.float32, epilogue=epi)
     with pytest.raises(ValueError, match="bad gelu epilogue"):
         gq.dequantize(codes, scales, 8, torch.float32, epilogue=("gelu", "erf", torch.float32))
 
