@@ -100,6 +100,10 @@ class Launcher:
 
     def __call__(self, grid: tuple, *args) -> None:
         first = args[0]
+        if first.is_cuda and first.get_device() != torch._C._cuda_getDevice():
+            # Triton (and a cached kernel's function handle) target the current device
+            with torch.cuda.device(first.device):
+                return self(grid, *args)
         fast = self.direct and self._constexpr is not None and first.is_cuda
         if fast:
             key = self.key(args)
