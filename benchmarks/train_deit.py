@@ -103,6 +103,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _posterize(img, bits_to_keep, **_):
+    """timm's posterize, with Pillow < 12's result for 0 bits kept (a black image).
+
+    DeiT's RandAugment ("inc1") keeps 4 - int(magnitude / 10 * 4) bits, so 0 bits at magnitude
+    10; Pillow 12 and later reject 0 bits with a ValueError instead of zeroing every channel."""
+    from PIL import ImageOps
+
+    if bits_to_keep >= 8:
+        return img
+    if bits_to_keep <= 0:
+        return img.point(lambda _: 0)
+    return ImageOps.posterize(img, bits_to_keep)
+
+
+def deit_train_transform(img_size: int):
+    """DeiT's training transform (RandAugment m9 mstd0.5, random erasing 0.25), made to run
+    on every Pillow release (see ``_posterize``)."""
+    from timm.data import create_transform
+    from timm.data.auto_augment import RandAugment
+
+    tf = create_transform(
+        img_size, is_training=True, auto_augment="rand-m9-mstd0.5-inc1",
+        interpolation="bicubic", re_prob=0.25, re_mode="pixel", re_count=1,
+    )  # fmt: skip
+    for t in tf.transforms:
+        if isinstance(t, RandAugment):
+            for op in t.ops:
+                if op.name.startswith("Posterize"):
+                    op.aug_fn = _posterize
+    return tf
+
+
 def build_data(args):
     """(train loader, val loader or None, number of classes)."""
     from torch.utils.data import DataLoader, TensorDataset
@@ -119,10 +151,7 @@ def build_data(args):
     from timm.data import create_transform
     from torchvision.datasets import ImageFolder
 
-    train_tf = create_transform(
-        args.img_size, is_training=True, auto_augment="rand-m9-mstd0.5-inc1",
-        interpolation="bicubic", re_prob=0.25, re_mode="pixel", re_count=1,
-    )  # fmt: skip
+    train_tf = deit_train_transform(args.img_size)
     val_tf = create_transform(
         args.img_size, is_training=False, interpolation="bicubic", crop_pct=0.875
     )

@@ -105,3 +105,24 @@ def test_data_path_runs_the_paired_comparison_on_an_image_folder(tmp_path):
     written = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert written == ["acc-seed0-mesa-int8", "acc-seed0-plain", "acc.jsonl"], written
     assert (tmp_path / "out" / "acc-seed0-plain" / "checkpoint.pth").exists()
+
+
+def test_deit_randaugment_posterize_at_full_magnitude_gives_a_black_image():
+    """DeiT's RandAugment keeps 0 bits at magnitude 10 (reached through mstd0.5); Pillow 12+
+    raises on 0 bits, which crashed --data-path runs at random. The transform keeps Pillow
+    < 12's result (all channels zero) and matches Pillow for 1-4 bits."""
+    from PIL import Image, ImageOps
+    from timm.data.auto_augment import RandAugment
+
+    from benchmarks.train_deit import deit_train_transform
+
+    tf = deit_train_transform(32)
+    (ra,) = [t for t in tf.transforms if isinstance(t, RandAugment)]
+    (op,) = [op for op in ra.ops if op.name.startswith("Posterize")]
+    img = Image.fromarray((torch.arange(48 * 3) % 256).to(torch.uint8).reshape(4, 12, 3).numpy())
+    op.prob, op.magnitude_std = 1.0, 0.0
+    op.magnitude = 10
+    assert max(op(img).getextrema()) == (0, 0)
+    for magnitude, bits in ((0, 4), (5, 2), (9, 1)):
+        op.magnitude = magnitude
+        assert op(img).tobytes() == ImageOps.posterize(img, bits).tobytes()
