@@ -7,8 +7,10 @@ same for the plain module and its wrapped copy, under the autocast dtype given. 
 kind: microseconds per iteration plain and wrapped (the median of --repeats timings of --iters
 iterations each, after warm-up), their ratio, and the difference, the host cost mesa_lite
 adds. "attention" is timm's Attention block (its qkv and proj Linears and fused attention),
-"matmul" mesa_lite.MatMul on a @ b^T. On a GPU the loop is synchronized once per timing, so
-queued work counts as well.
+"matmul" mesa_lite.MatMul on a @ b^T, "block" timm's vision-transformer Block (two
+block-level Functions), "block-per-op" the same Block through its per-op modules (each layer
+its own Function; what the block-level Functions replace). On a GPU the loop is synchronized
+once per timing, so queued work counts as well.
 
 Writes PREFIX.jsonl and PREFIX.md (a fresh runs/ folder unless --out names a prefix).
 
@@ -50,7 +52,7 @@ from .common import (
 
 torch = lazy_import("torch")
 
-KINDS = ["linear", "layernorm", "gelu", "softmax", "matmul", "attention"]
+KINDS = ["linear", "layernorm", "gelu", "softmax", "matmul", "attention", "block", "block-per-op"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,6 +90,14 @@ def _pair(kind: str, width: int):
         from timm.layers import Attention
 
         plain = Attention(width, num_heads=4)
+    elif kind.startswith("block"):
+        from timm.models.vision_transformer import Block
+
+        plain = Block(width, num_heads=4, qkv_bias=True)
+        wrapped = mesa_lite.wrap(copy.deepcopy(plain))
+        if kind == "block-per-op":
+            wrapped.unfuse()
+        return plain, wrapped, 1
     else:
         make = {"linear": lambda: nn.Linear(width, width), "layernorm": lambda: nn.LayerNorm(width),
                 "gelu": nn.GELU, "softmax": lambda: nn.Softmax(dim=-1)}  # fmt: skip

@@ -158,19 +158,40 @@ class LinearFn(torch.autograd.Function):
     @_first_order_only
     def backward(ctx, grad):
         px, weight = quant.load(ctx)
-        g2 = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            w = autocast_cast(weight, ctx.dtype)
-            # as torch's mm backward: a column-major input gets its gradient computed transposed
-            gx = (w.t() @ g2.t()).t() if ctx.x_col_major else g2 @ w
-            grad_x = gx.reshape(*grad.shape[:-1], w.shape[1])
-        if ctx.needs_input_grad[1]:
-            x2 = quant.dequantize(px, ctx.x_dtype).reshape(-1, px.shape[-1])
-            grad_w = (g2.t() @ x2).to(ctx.w_dtype)
-        if ctx.b_dtype is not None and ctx.needs_input_grad[2]:
-            grad_b = g2.sum(0).to(ctx.b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+        needs = ctx.needs_input_grad[:3]
+        grads = linear_backward(
+            grad, lambda: quant.dequantize(px, ctx.x_dtype), weight, ctx.dtype,
+            ctx.x_col_major, needs, ctx.w_dtype, ctx.b_dtype,
+        )  # fmt: skip
+        return *grads, None, None, None
+
+
+def linear_backward(grad, rebuild_x, weight, dtype, x_col_major: bool, needs, w_dtype, b_dtype):
+    """``F.linear``'s gradients (input, weight, bias; None where ``needs`` is False), as
+    torch's own backward computes them.
+
+    Args:
+        grad: the output's gradient.
+        rebuild_x: returns the input (called only for the weight's gradient).
+        weight: the weight before its autocast cast to ``dtype`` (None: no cast).
+        x_col_major: ``_folded_col_major`` of the forward input.
+        needs: needs-grad flags of input, weight and bias.
+        w_dtype, b_dtype: the dtypes of weight and bias before any cast (``b_dtype`` None:
+            no bias), which their gradients take.
+    """
+    g2 = grad.reshape(-1, grad.shape[-1])
+    grad_x = grad_w = grad_b = None
+    if needs[0]:
+        w = autocast_cast(weight, dtype)
+        # as torch's mm backward: a column-major input gets its gradient computed transposed
+        gx = (w.t() @ g2.t()).t() if x_col_major else g2 @ w
+        grad_x = gx.reshape(*grad.shape[:-1], w.shape[1])
+    if needs[1]:
+        x = rebuild_x()
+        grad_w = (g2.t() @ x.reshape(-1, x.shape[-1])).to(w_dtype)
+    if b_dtype is not None and needs[2]:
+        grad_b = g2.sum(0).to(b_dtype)
+    return grad_x, grad_w, grad_b
 
 
 # ---- GELU -------------------------------------------------------------------------------------
@@ -196,10 +217,15 @@ class GELUFn(torch.autograd.Function):
     @_first_order_only
     def backward(ctx, grad):
         (px,) = quant.load(ctx)
-        if not px.recipe and not px.spec.exact:  # one kernel: x is rebuilt in registers
-            return quant.gelu_backward(px, grad, ctx.approximate, ctx.x_dtype), None, None, None
-        x = quant.dequantize(px, ctx.x_dtype)
-        return torch.ops.aten.gelu_backward(grad, x, approximate=ctx.approximate), None, None, None
+        return gelu_input_grad(px, grad, ctx.approximate, ctx.x_dtype), None, None, None
+
+
+def gelu_input_grad(px: quant.Packed, grad, approximate: str, x_dtype: torch.dtype):
+    """GELU's input gradient from the kept input ``px`` (rebuilt in ``x_dtype``)."""
+    if not px.recipe and not px.spec.exact:  # one kernel: x is rebuilt in registers
+        return quant.gelu_backward(px, grad, approximate, x_dtype)
+    x = quant.dequantize(px, x_dtype)
+    return torch.ops.aten.gelu_backward(grad, x, approximate=approximate)
 
 
 # ---- Softmax ----------------------------------------------------------------------------------
@@ -245,10 +271,7 @@ class LayerNormFn(torch.autograd.Function):
             quant.save(ctx, None, None, None, weight, bias)
             ctx.x_shape = x.shape
             return out
-        if spec.exact or not quant.compressible(x):
-            p = quant.quantize(x, spec)  # x itself (fp64 stays exact)
-        else:
-            p = quant.quantize(x, spec, normalize=(mean, rstd))  # (x - mean) * rstd, in fp32
+        p = keep_normalized(x, mean, rstd, spec)
         quant.save(ctx, p, mean, rstd, weight, bias)
         step = ("affine", out.dtype, normalized_shape, eps)
         quant.share(out, p.derived(step, out.dtype, aux=(weight, bias)))
@@ -259,21 +282,39 @@ class LayerNormFn(torch.autograd.Function):
     def backward(ctx, grad):
         px, mean, rstd, weight, bias = quant.load(ctx)
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[2], ctx.needs_input_grad[3]]
-        if px is None:  # only the bias: its gradient reads no x, mean or rstd
-            x = grad.new_zeros(()).expand(ctx.x_shape)
-            stats = ctx.x_shape[: len(ctx.x_shape) - len(ctx.normalized_shape)]
-            stats = (*stats, *([1] * len(ctx.normalized_shape)))
-            mean = rstd = grad.new_zeros((), dtype=torch.float32).expand(stats)
-        elif px.spec.exact:
-            x = quant.dequantize(px)
-        else:  # x = x_hat / rstd + mean
-            # rstd is 0 where the variance overflowed (|x| ~ 1e19 in fp32): torch's gradient
-            # is 0 there whatever x is, and 0 / 0 must not turn it into NaN (mean is taken)
-            x = quant.unnormalize(px, mean, rstd, ctx.x_dtype)
-        gx, gw, gb = torch.ops.aten.native_layer_norm_backward(
-            grad.contiguous(), x, ctx.normalized_shape, mean, rstd, weight, bias, mask
+        shape = ctx.x_shape if px is None else px.shape
+        gx, gw, gb = layer_norm_backward(
+            grad, px, mean, rstd, weight, bias, ctx.normalized_shape, shape, ctx.x_dtype, mask
         )
         return gx, None, gw, gb, None, None
+
+
+def keep_normalized(x, mean, rstd, spec: QuantSpec) -> quant.Packed:
+    """What a LayerNorm keeps of its input ``x``: the normalized input ``(x - mean) * rstd``
+    compressed, or ``x`` itself in the exact (debug) mode and for fp64."""
+    if spec.exact or not quant.compressible(x):
+        return quant.quantize(x, spec)  # x itself (fp64 stays exact)
+    return quant.quantize(x, spec, normalize=(mean, rstd))  # (x - mean) * rstd, in fp32
+
+
+def layer_norm_backward(grad, px, mean, rstd, weight, bias, normalized_shape, x_shape, x_dtype,
+                        mask):  # fmt: skip
+    """``native_layer_norm_backward`` from what ``keep_normalized`` kept (``px`` None, with
+    ``mean`` and ``rstd`` None too, when only the bias needs its gradient)."""
+    if px is None:  # only the bias: its gradient reads no x, mean or rstd
+        x = grad.new_zeros(()).expand(x_shape)
+        stats = x_shape[: len(x_shape) - len(normalized_shape)]
+        stats = (*stats, *([1] * len(normalized_shape)))
+        mean = rstd = grad.new_zeros((), dtype=torch.float32).expand(stats)
+    elif px.spec.exact:
+        x = quant.dequantize(px)
+    else:  # x = x_hat / rstd + mean
+        # rstd is 0 where the variance overflowed (|x| ~ 1e19 in fp32): torch's gradient
+        # is 0 there whatever x is, and 0 / 0 must not turn it into NaN (mean is taken)
+        x = quant.unnormalize(px, mean, rstd, x_dtype)
+    return torch.ops.aten.native_layer_norm_backward(
+        grad.contiguous(), x, normalized_shape, mean, rstd, weight, bias, mask
+    )
 
 
 # ---- MatMul -----------------------------------------------------------------------------------
@@ -372,13 +413,98 @@ def _joint_base(q, k, v) -> torch.Tensor | None:
     return base
 
 
+def sdpa_run(q, k, v, backend: int, dropout_p: float, is_causal: bool, scale):
+    """The fused attention op PyTorch's ``F.scaled_dot_product_attention`` dispatches to for
+    ``backend``: ``(out, logsumexp, extra, max_qk)``, ``extra`` the tensors its backward takes
+    besides (cumulative lengths, RNG seed and offset), ``max_qk`` its ints (or None)."""
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=None, scale=scale
+        )
+        return out, lse, (), None
+    if backend == SDPA_CUDNN:
+        res = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, dropout_p, is_causal, False, scale=scale
+        )
+    elif backend == SDPA_FLASH:
+        res = aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p, is_causal, False, scale=scale
+        )
+    elif backend == SDPA_EFFICIENT:
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, dropout_p, is_causal, scale=scale
+        )
+        return out, lse, (seed, offset), None
+    else:
+        raise ValueError(f"mesa_lite SDPAFn: backend {backend} is not supported")
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset = res[:8]
+    return out, lse, (cum_q, cum_k, seed, offset), (max_q, max_k)
+
+
+def sdpa_backward(grad, q, k, v, out, lse, extra, max_qk, cfg: tuple, needs):
+    """The gradients of q, k and v through the backend's own backward op; ``cfg`` is
+    ``(backend, dropout_p, is_causal, scale)`` and ``needs`` the three needs-grad flags."""
+    backend, dropout_p, is_causal, scale = cfg
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, dropout_p, is_causal, attn_mask=None, scale=scale
+        )
+    if backend == SDPA_EFFICIENT:
+        seed, offset = extra
+        mask = [*needs, False]
+        gq, gk, gv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            grad, q, k, v, None, out, lse, seed, offset, dropout_p, mask, is_causal,
+            scale=scale,
+        )  # fmt: skip
+        return gq, gk, gv
+    cum_q, cum_k, seed, offset = extra
+    max_q, max_k = max_qk
+    if backend == SDPA_CUDNN:
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k,
+            dropout_p, is_causal, scale=scale,
+        )  # fmt: skip
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal,
+        seed, offset, scale=scale,
+    )  # fmt: skip
+
+
+def keep_qkv(q, k, v, spec: QuantSpec) -> tuple[list, object]:
+    """What attention keeps of q, k and v: ``(packed list, layout)`` for ``rebuild_qkv``.
+
+    q and k are kept at 8 bits whatever the spec's width; v at the spec's. At 8 bits, when q,
+    k and v are views of one tensor that holds just them (timm's qkv output), that tensor is
+    kept instead, once (no gathering copies, one launch), and ``rebuild_qkv`` takes the same
+    views of its rebuild. Otherwise each is kept in its memory order."""
+    base = _joint_base(q, k, v) if spec.bits == 8 else None
+    if base is not None:
+        off = base.storage_offset()
+        views = [(t.shape, t.stride(), t.storage_offset() - off) for t in (q, k, v)]
+        return [quant.quantize(base, spec)], ("views", views)
+    # q and k at 8 bits even when the spec asks for fewer: backward rebuilds the attention
+    # probabilities as exp(q k^T * scale - logsumexp), which exponentiates their error (at 2
+    # bits all four low gave gradients 70 dB worse than q, k at 8)
+    qk_spec = spec if spec.bits == 8 else dataclasses.replace(spec, bits=8, rounding=None)
+    kept = [_keep_in_memory_order(t, s) for t, s in ((q, qk_spec), (k, qk_spec), (v, spec))]
+    return [p for p, _ in kept], ("orders", [order for _, order in kept])
+
+
+def rebuild_qkv(kept: list, layout) -> list[torch.Tensor]:
+    """q, k and v from ``keep_qkv``'s result, with their forward strides."""
+    how, info = layout
+    if how == "views":  # one copy of the tensor q, k and v are views of
+        base = quant.dequantize(kept[0]).reshape(-1)
+        return [base.as_strided(*view) for view in info]
+    return [_restore(p, o) for p, o in zip(kept, info, strict=True)]
+
+
 class SDPAFn(torch.autograd.Function):
     """``F.scaled_dot_product_attention`` through the fused backend PyTorch picked (CPU flash,
-    CUDA flash, memory-efficient or cuDNN), keeping q, k, v and the output compressed and the
-    fp32 logsumexp.
-    q and k are kept at 8 bits whatever the spec's width; v and the output at the spec's. At
-    8 bits, when q, k and v are views of one tensor that holds just them (timm's qkv output),
-    that tensor is kept instead, once, and backward takes the same views of its rebuild.
+    CUDA flash, memory-efficient or cuDNN), keeping q, k, v (``keep_qkv``) and the output
+    compressed and the fp32 logsumexp.
 
     Backward dequantizes them in their forward stride order and calls the backend's own
     backward op. Attention masks are not taken here (see ``modules.scaled_dot_product_attention``).
@@ -386,52 +512,11 @@ class SDPAFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, backend: int, dropout_p: float, is_causal: bool, scale, spec):
-        aten = torch.ops.aten
-        extra: tuple = ()
-        if q.device.type == "cpu":
-            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, dropout_p, is_causal, attn_mask=None, scale=scale
-            )
-        elif backend == SDPA_CUDNN:
-            res = aten._scaled_dot_product_cudnn_attention(
-                q, k, v, None, True, dropout_p, is_causal, False, scale=scale
-            )
-            out, lse, cum_q, cum_k, max_q, max_k, seed, offset = res[:8]
-            extra = (cum_q, cum_k, seed, offset)
-            ctx.max_qk = (max_q, max_k)
-        elif backend == SDPA_FLASH:
-            res = aten._scaled_dot_product_flash_attention(
-                q, k, v, dropout_p, is_causal, False, scale=scale
-            )
-            out, lse, cum_q, cum_k, max_q, max_k, seed, offset = res[:8]
-            extra = (cum_q, cum_k, seed, offset)
-            ctx.max_qk = (max_q, max_k)
-        elif backend == SDPA_EFFICIENT:
-            out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
-                q, k, v, None, True, dropout_p, is_causal, scale=scale
-            )
-            extra = (seed, offset)
-        else:
-            raise ValueError(f"mesa_lite SDPAFn: backend {backend} is not supported")
+        out, lse, extra, ctx.max_qk = sdpa_run(q, k, v, backend, dropout_p, is_causal, scale)
         out = _fresh(out)
         po, ctx.o_order = _keep_in_memory_order(out, spec)
-        base = _joint_base(q, k, v) if spec.bits == 8 else None
-        if base is not None:
-            # q, k and v are views of one tensor (timm's qkv output, reshaped and unbound):
-            # one copy of it, no gathering copies, one launch; backward takes the same views
-            kept = [quant.quantize(base, spec)]
-            ctx.views = [
-                (t.shape, t.stride(), t.storage_offset() - base.storage_offset()) for t in (q, k, v)
-            ]
-        else:
-            # q and k at 8 bits even when the spec asks for fewer: backward rebuilds the
-            # attention probabilities as exp(q k^T * scale - logsumexp), which exponentiates
-            # their error (at 2 bits all four low gave gradients 70 dB worse than q, k at 8)
-            qk_spec = spec if spec.bits == 8 else dataclasses.replace(spec, bits=8, rounding=None)
-            kept = [_keep_in_memory_order(t, s) for t, s in ((q, qk_spec), (k, qk_spec), (v, spec))]
-            ctx.views = None
-            ctx.orders = [order for _, order in kept]
-            kept = [p for p, _ in kept]
+        kept, ctx.qkv_layout = keep_qkv(q, k, v, spec)
+        ctx.n_qkv = len(kept)
         # the output, in memory order, is also the projection's input (timm reshapes it to
         # (B, N, C), a view when the backend wrote it (B, N, H, D)-contiguous as cuDNN does)
         quant.share(out, po, memory_order=True)
@@ -443,38 +528,10 @@ class SDPAFn(torch.autograd.Function):
     @_first_order_only
     def backward(ctx, grad):
         saved = quant.load(ctx)
-        if ctx.views is not None:  # one copy of the tensor q, k and v are views of
-            base = quant.dequantize(saved[0]).reshape(-1)
-            q, k, v = (base.as_strided(*view) for view in ctx.views)
-            po, lse, *extra = saved[1:]
-        else:
-            q, k, v = (_restore(p, o) for p, o in zip(saved[:3], ctx.orders, strict=True))
-            po, lse, *extra = saved[3:]
+        n = ctx.n_qkv
+        q, k, v = rebuild_qkv(saved[:n], ctx.qkv_layout)
+        po, lse, *extra = saved[n:]
         out = _restore(po, ctx.o_order)
-        backend, dropout_p, is_causal, scale = ctx.cfg
-        aten = torch.ops.aten
-        if q.device.type == "cpu":
-            gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad, q, k, v, out, lse, dropout_p, is_causal, attn_mask=None, scale=scale
-            )
-        elif backend == SDPA_EFFICIENT:
-            seed, offset = extra
-            mask = [*ctx.needs_input_grad[:3], False]
-            gq, gk, gv, _ = aten._scaled_dot_product_efficient_attention_backward(
-                grad, q, k, v, None, out, lse, seed, offset, dropout_p, mask, is_causal,
-                scale=scale,
-            )  # fmt: skip
-        else:
-            cum_q, cum_k, seed, offset = extra
-            max_q, max_k = ctx.max_qk
-            if backend == SDPA_CUDNN:
-                gq, gk, gv = aten._scaled_dot_product_cudnn_attention_backward(
-                    grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k,
-                    dropout_p, is_causal, scale=scale,
-                )  # fmt: skip
-            else:
-                gq, gk, gv = aten._scaled_dot_product_flash_attention_backward(
-                    grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal,
-                    seed, offset, scale=scale,
-                )  # fmt: skip
+        needs = ctx.needs_input_grad[:3]
+        gq, gk, gv = sdpa_backward(grad, q, k, v, out, lse, extra, ctx.max_qk, ctx.cfg, needs)
         return gq, gk, gv, None, None, None, None, None

@@ -33,6 +33,7 @@ from mesa_lite.functions import (
 
 __all__ = [
     "MesaModule",
+    "FusedBlock",
     "Linear",
     "GELU",
     "Softmax",
@@ -145,6 +146,65 @@ class MesaModule:
         else:  # built as a mesa_lite module: stays one, exact
             self.mesa_spec = None
         return self
+
+
+_GLOBAL_HOOKS = tuple(
+    d
+    for d in (
+        getattr(torch.nn.modules.module, name, None)
+        for name in (
+            "_global_forward_hooks",
+            "_global_forward_pre_hooks",
+            "_global_backward_hooks",
+            "_global_backward_pre_hooks",
+        )
+    )
+    if d is not None
+)
+
+
+class FusedBlock:
+    """Mixin of block classes (a transformer block) whose forward may run block-level
+    Functions (``mesa_lite.blocks``) instead of calling its sub-layers one by one.
+
+    ``wrap`` converts a registered block type in place after converting its layers
+    (``fuse``); ``unwrap`` converts it back (``unfuse``). The block is not a ``MesaModule``:
+    it compresses nothing itself and carries no spec; it takes the spec its wrapped sub-layers
+    share, and whenever they differ, or a condition of the fused path fails, it runs its own
+    class's forward through the per-op modules.
+    """
+
+    @classmethod
+    def fuse(cls, module: nn.Module) -> nn.Module:
+        orig = base_type(module)
+        module.__dict__["_mesa_block_cls"] = orig
+        _set_class(module, converted_class(cls, orig))
+        return module
+
+    def unfuse(self) -> nn.Module:
+        orig = self.__dict__.pop("_mesa_block_cls", None)
+        self.__dict__.pop("_mesa_unfused_keys", None)
+        if orig is not None:
+            _set_class(self, orig)
+        return self
+
+    def _mesa_block_active(self, x: torch.Tensor) -> bool:
+        """Training with grad on a floating input, outside torch.func transforms, with no
+        global module hooks (they would expect the sub-layers' forwards to run)."""
+        if not (self.training and torch.is_grad_enabled() and x.is_floating_point()):
+            return False
+        if any(_GLOBAL_HOOKS) or _in_functorch_transform():
+            return False
+        return True
+
+    def _mesa_unfused_attention(self, x: torch.Tensor, remember: bool = False) -> bool:
+        """Whether inputs like ``x`` (shape, dtype, device, autocast) were found unsupported by
+        the fused attention half before; ``remember`` records them."""
+        key = (tuple(x.shape), x.dtype, x.device, torch.is_autocast_enabled(x.device.type))
+        keys = self.__dict__.setdefault("_mesa_unfused_keys", set())
+        if remember:
+            keys.add(key)
+        return key in keys
 
 
 def base_type(module: nn.Module) -> type:

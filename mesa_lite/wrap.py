@@ -29,6 +29,7 @@ from mesa_lite.config import LAYER_KINDS, Config, QuantSpec
 from mesa_lite.integrations import timm as _timm
 from mesa_lite.modules import (
     GELU,
+    FusedBlock,
     LayerNorm,
     Linear,
     MesaModule,
@@ -96,6 +97,21 @@ def register(
 
 for _args in _timm.registrations():
     register(*_args)
+
+# Block types whose halves may run as block-level Functions when their layers are wrapped
+# alike (``modules.FusedBlock``); exactly these types (a subclass may compute otherwise)
+_BLOCKS: dict[type, type] = dict(_timm.block_registrations())
+
+
+def _fuse_blocks(model: nn.Module) -> None:
+    """Converts the registered blocks of ``model`` that hold a converted layer (unfused
+    first, so that wrapping again starts afresh)."""
+    for module in model.modules():
+        if isinstance(module, FusedBlock):
+            module.unfuse()
+        fused = _BLOCKS.get(base_type(module))
+        if fused is not None and any(isinstance(m, MesaModule) for m in module.modules()):
+            fused.fuse(module)
 
 
 def wrapped_modules(model: nn.Module) -> dict[str, MesaModule]:
@@ -263,6 +279,7 @@ def wrap(
             f"(supported: {_supported_names()}); it is returned unchanged",
             stacklevel=2,
         )
+    _fuse_blocks(model)
     line = _summary(
         type(model).__name__, converted, specs, exact, skipped, built, (before, changed, back)
     )
@@ -333,4 +350,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     for _, module in list(model.named_modules()):
         if isinstance(module, MesaModule):
             module.to_original()
+        if isinstance(module, FusedBlock):
+            module.unfuse()
     return model

@@ -12,7 +12,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from mesa_lite import blocks
+from mesa_lite.functions import autocast_dtype
 from mesa_lite.modules import (
+    GELU,
+    FusedBlock,
+    LayerNorm,
+    Linear,
     MesaModule,
     eager_under_compile,
     matmul,
@@ -23,9 +29,11 @@ from mesa_lite.modules import (
 try:
     import timm.layers as _tl
     from timm.layers import Attention as _TimmAttention
+    from timm.layers import Mlp as _TimmMlp
+    from timm.models.vision_transformer import Block as _TimmBlock
 except ImportError:  # pragma: no cover - timm is optional
     _tl = None
-    _TimmAttention = None
+    _TimmAttention = _TimmMlp = _TimmBlock = None
 
 
 def _resolve_mask(n: int, attn: torch.Tensor, attn_mask, is_causal: bool):
@@ -51,8 +59,6 @@ def registrations() -> list[tuple[type, type, str, object, str | None]]:
     ``wrap``'s registry."""
     if _tl is None:
         return []
-    from mesa_lite.modules import GELU, LayerNorm, Linear
-
     regs = [(_TimmAttention, Attention, "attention", None, None)]
     if hasattr(_tl, "LayerNorm"):
         regs.append(
@@ -123,3 +129,97 @@ if _TimmAttention is not None:
             x = self.proj(x)
             x = self.proj_drop(x)
             return x
+
+
+def block_registrations() -> list[tuple[type, type]]:
+    """(timm block type, its FusedBlock class) for ``wrap``'s block pass."""
+    if _TimmBlock is None:
+        return []
+    return [(_TimmBlock, Block)]
+
+
+def _no_dropout(m) -> bool:
+    return isinstance(m, nn.Identity) or (type(m) is nn.Dropout and m.p == 0)
+
+
+def _identity(m) -> bool:
+    return m is None or type(m) is nn.Identity
+
+
+if _TimmBlock is not None:
+
+    class Block(FusedBlock, _TimmBlock):
+        """timm's vision-transformer ``Block`` running each half as one block-level Function
+        (``blocks.NormAttentionFn``, ``blocks.NormMlpFn``) when its sub-layers allow: the
+        LayerNorms, qkv, projection, fc1, GELU and fc2 all wrapped with one setting, fused
+        attention with no mask, q/k norm, gate or attention-output norm, no dropout, no
+        hooks on the sub-layers, training with grad. Otherwise (and in eval) the block runs
+        its own forward through the per-op modules. Layer scale and drop path stay as timm
+        computes them."""
+
+        def _mesa_sublayers(self) -> tuple | None:
+            """(the shared spec, attention, mlp) when the halves can run fused, else None."""
+            at, mlp, n1, n2 = self.attn, self.mlp, self.norm1, self.norm2
+            if not (isinstance(n1, LayerNorm) and isinstance(n2, LayerNorm)):
+                return None
+            if not (isinstance(at, Attention) and isinstance(mlp, _TimmMlp)):
+                return None
+            if type(mlp).forward is not _TimmMlp.forward or not at.fused_attn:
+                return None
+            if not (isinstance(at.qkv, Linear) and isinstance(at.proj, Linear)):
+                return None
+            if not (isinstance(mlp.fc1, Linear) and isinstance(mlp.fc2, Linear)):
+                return None
+            if not isinstance(mlp.act, GELU):
+                return None
+            extras = (at.q_norm, at.k_norm, getattr(at, "norm", None), getattr(at, "gate", None),
+                      mlp.norm)  # fmt: skip
+            if not all(_identity(m) for m in extras):
+                return None
+            drops = (at.attn_drop, at.proj_drop, mlp.drop1, mlp.drop2)
+            if not all(_no_dropout(m) for m in drops):
+                return None
+            layers = (n1, at.qkv, at.proj, n2, mlp.fc1, mlp.act, mlp.fc2)
+            spec = blocks.spec_of(at, *layers)
+            if spec is None:
+                return None
+            for m in (at, mlp, *layers):
+                if not m.training or m._forward_hooks or m._forward_pre_hooks:
+                    return None
+                if m._backward_hooks or m._backward_pre_hooks:
+                    return None
+            return spec, at, mlp
+
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if args or kwargs.get("attn_mask") is not None or not self._mesa_block_active(x):
+                return super().forward(x, *args, **kwargs)
+            found = self._mesa_sublayers()
+            if found is None:
+                return super().forward(x, *args, **kwargs)
+            spec, at, mlp = found
+            is_causal = bool(kwargs.get("is_causal", False))
+            dev = x.device
+            dtype = autocast_dtype("linear", dev)
+            sdpa_dtype = autocast_dtype("sdpa", dev)
+            n1, n2 = self.norm1, self.norm2
+            norm1 = (tuple(n1.normalized_shape), n1.eps, autocast_dtype("layer_norm", dev))
+            norm2 = (tuple(n2.normalized_shape), n2.eps, norm1[2])
+            y = None
+            if sdpa_dtype == dtype and not self._mesa_unfused_attention(x):
+                cfg = (norm1, dtype, at.num_heads, at.head_dim, is_causal, spec)
+                qkv, proj = at.qkv, at.proj
+                try:
+                    y = blocks.NormAttentionFn.apply(
+                        x, n1.weight, n1.bias, qkv.weight, qkv.bias, proj.weight, proj.bias, cfg
+                    )
+                except blocks.Unsupported:
+                    self._mesa_unfused_attention(x, remember=True)
+            if y is None:
+                y = at(n1(x), **kwargs)
+            x = x + self.drop_path1(self.ls1(y))
+            cfg = (norm2, dtype, autocast_dtype("gelu", dev), mlp.act.approximate, spec)
+            fc1, fc2 = mlp.fc1, mlp.fc2
+            y = blocks.NormMlpFn.apply(
+                x, n2.weight, n2.bias, fc1.weight, fc1.bias, fc2.weight, fc2.bias, cfg
+            )
+            return x + self.drop_path2(self.ls2(y))

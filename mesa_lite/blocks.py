@@ -1,0 +1,268 @@
+"""Block-level Functions: a transformer block's two halves, each one autograd Function.
+
+``NormAttentionFn`` is LayerNorm -> qkv Linear -> fused attention -> output projection;
+``NormMlpFn`` is LayerNorm -> fc1 -> GELU -> fc2. Each computes its forward with the very ops
+the per-op modules run (so outputs are bit-identical to PyTorch's), keeps what the per-op
+path keeps (the normalized input once for the LayerNorm and the next Linear, q/k/v once as the
+qkv output, the attention output once for attention and the projection, the GELU input once
+for GELU and fc2), and computes the gradients with the per-op backward helpers of
+``functions``. What one op hands the next stays inside the Function, so no sharing registry
+is needed: one autograd node and one Python call per half instead of four or five, and a form
+``torch.compile`` can trace.
+
+The casts are those autocast makes for each op (``autocast_dtype`` per op, given in the
+configuration tuples), done inside the Function; backward casts the gradients back as
+autograd's cast nodes would.
+
+The integrations decide when a block may take this path (``integrations/timm.py``: timm's
+vision-transformer ``Block`` with its sub-layers wrapped alike, no dropout, no hooks); otherwise
+the block runs its own forward through the per-op modules.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mesa_lite import quant
+from mesa_lite.config import QuantSpec
+from mesa_lite.functions import (
+    SDPA_CUDNN,
+    SDPA_EFFICIENT,
+    SDPA_FLASH,
+    _first_order_only,
+    _folded_col_major,
+    _fresh,
+    _keep_in_memory_order,
+    _restore,
+    autocast_cast,
+    gelu_input_grad,
+    keep_normalized,
+    keep_qkv,
+    layer_norm_backward,
+    linear_backward,
+    rebuild_qkv,
+    sdpa_backward,
+    sdpa_run,
+)
+
+__all__ = ["NormAttentionFn", "NormMlpFn", "Unsupported"]
+
+
+class Unsupported(Exception):
+    """Raised from a block Function's forward (before anything is kept) for inputs it does not
+    take (attention that PyTorch would run on its math path); the caller runs the per-op path."""
+
+
+def _layer_norm(x, weight, bias, norm_cfg):
+    """LayerNorm's forward as the per-op module runs it: ``(out, cast input, mean, rstd)``."""
+    shape, eps, dtype = norm_cfg
+    xc = autocast_cast(x, dtype)
+    wc, bc = autocast_cast(weight, dtype), autocast_cast(bias, dtype)
+    out, mean, rstd = torch.native_layer_norm(xc, shape, wc, bc, eps)
+    return out, xc, mean, rstd
+
+
+def _norm_linear_grads(ctx, grad, w, b_dtype, p_ln, mean, rstd, ln_w, ln_b):
+    """The gradients of a half's head, LayerNorm -> Linear, from the gradient of the Linear's
+    output: ``(x, LayerNorm weight, bias, Linear weight, bias)``, each cast back to the dtype
+    before autocast's casts (None where not needed). Inputs 0-4 of the Function are these."""
+    norm_cfg, dtype = ctx.cfg[0], ctx.cfg[1]
+    shape, eps, ln_dtype = norm_cfg
+    wc, bc = autocast_cast(ln_w, ln_dtype), autocast_cast(ln_b, ln_dtype)
+    n = ctx.needs_input_grad
+    need_ln = n[0] or n[1] or n[2]
+
+    def rebuild_h():  # the Linear's input: the LayerNorm output, from its normalized input
+        p = p_ln.derived(("affine", ctx.h_dtype, shape, eps), ctx.h_dtype, aux=(wc, bc))
+        return quant.dequantize(p, grad.dtype)
+
+    g_h, g_w, g_b = linear_backward(
+        grad, rebuild_h, w, dtype, ctx.hc_col_major, (need_ln, n[3], n[4]), w.dtype, b_dtype
+    )
+    if not need_ln:
+        return None, None, None, g_w, g_b
+    x_shape, x_dtype, xc_dtype = ctx.x_meta
+    gx, gw, gb = layer_norm_backward(
+        g_h.to(ctx.h_dtype), p_ln, mean, rstd, wc, bc, shape, x_shape, xc_dtype, list(n[:3])
+    )
+    gx = None if gx is None else gx.to(x_dtype)
+    gw = None if gw is None else gw.to(ln_w.dtype)
+    gb = None if gb is None else gb.to(ln_b.dtype)
+    return gx, gw, gb, g_w, g_b
+
+
+def _keep_norm(xc, mean, rstd, spec, keep: bool):
+    """What the LayerNorm keeps: ``(packed normalized input, mean, rstd)``, or Nones when
+    ``keep`` is False (only its bias needs a gradient)."""
+    if not keep:
+        return None, None, None
+    return keep_normalized(xc, mean, rstd, spec), mean, rstd
+
+
+def _dtypes(t: torch.Tensor | None):
+    return None if t is None else t.dtype
+
+
+class NormAttentionFn(torch.autograd.Function):
+    """``proj(attention(qkv(layer_norm(x))))`` as timm's vision-transformer block computes
+    its first half (before layer scale, drop path and the residual add).
+
+    Inputs: ``x``, the LayerNorm's weight and bias, the qkv Linear's weight and bias, the
+    projection's weight and bias (biases may be None), and ``cfg``:
+    ``(norm_cfg, linear_dtype, num_heads, head_dim, is_causal, spec)``, ``norm_cfg`` being
+    ``(normalized_shape, eps, layer_norm_dtype)``; the dtypes are autocast's cast targets for
+    each op (None: no cast).
+    """
+
+    @staticmethod
+    def forward(ctx, x, ln_w, ln_b, qkv_w, qkv_b, proj_w, proj_b, cfg):
+        norm_cfg, dtype, heads, head_dim, is_causal, spec = cfg
+        h, xc, mean, rstd = _layer_norm(x, ln_w, ln_b, norm_cfg)
+        hc = autocast_cast(h, dtype)
+        qkv = F.linear(hc, autocast_cast(qkv_w, dtype), autocast_cast(qkv_b, dtype))
+        B, N, _ = qkv.shape
+        q, k, v = qkv.reshape(B, N, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        backend = _sdpa_choice(q, k, v, is_causal)
+        out, lse, extra, ctx.max_qk = sdpa_run(q, k, v, backend, 0.0, is_causal, None)
+        o = out.transpose(1, 2).reshape(B, N, heads * head_dim)
+        y = F.linear(o, autocast_cast(proj_w, dtype), autocast_cast(proj_b, dtype))
+
+        n = ctx.needs_input_grad
+        need_ln = n[0] or n[1] or n[2]
+        need_qkv = need_ln or n[3] or n[4]  # the gradient of the qkv output
+        p_ln, mean, rstd = _keep_norm(xc, mean, rstd, spec, n[0] or n[1] or n[3])
+        ctx.x_meta = (x.shape, x.dtype, xc.dtype)
+        kept, ctx.qkv_layout = keep_qkv(q, k, v, spec) if need_qkv else ([], None)
+        if need_qkv or n[5]:
+            po, ctx.o_order = _keep_in_memory_order(out, spec)
+        else:
+            po = lse = None
+            extra = ()
+        if not need_qkv:
+            lse, extra = None, ()
+        ctx.n_qkv = len(kept)
+        quant.save(ctx, p_ln, mean, rstd, ln_w, ln_b, qkv_w, proj_w, po, lse, *kept, *extra)
+        ctx.cfg = cfg
+        ctx.sdpa = (backend, 0.0, is_causal, None)
+        ctx.h_dtype, ctx.hc_col_major = h.dtype, _folded_col_major(hc)
+        ctx.o_meta = (o.dtype, _folded_col_major(o), out.shape)
+        ctx.bias_dtypes = (_dtypes(qkv_b), _dtypes(proj_b))
+        return _fresh(y)
+
+    @staticmethod
+    @_first_order_only
+    def backward(ctx, grad):
+        p_ln, mean, rstd, ln_w, ln_b, qkv_w, proj_w, po, lse, *rest = quant.load(ctx)
+        kept, extra = rest[: ctx.n_qkv], rest[ctx.n_qkv :]
+        dtype = ctx.cfg[1]
+        n = ctx.needs_input_grad
+        need_ln = n[0] or n[1] or n[2]
+        need_qkv = need_ln or n[3] or n[4]
+        o_dtype, o_col_major, out_shape = ctx.o_meta
+        qkv_b_dtype, proj_b_dtype = ctx.bias_dtypes
+        B, H, N, D = out_shape
+
+        def rebuild_o():
+            out = _restore(po, ctx.o_order)
+            return out.transpose(1, 2).reshape(B, N, H * D).to(o_dtype)
+
+        g_o, g_pw, g_pb = linear_backward(
+            grad, rebuild_o, proj_w, dtype, o_col_major, (need_qkv, n[5], n[6]),
+            proj_w.dtype, proj_b_dtype,
+        )  # fmt: skip
+        gx = g_lw = g_lb = g_qw = g_qb = None
+        if need_qkv:
+            q, k, v = rebuild_qkv(kept, ctx.qkv_layout)
+            out = _restore(po, ctx.o_order)
+            g_out = g_o.reshape(B, N, H, D).transpose(1, 2)
+            gq, gk, gv = sdpa_backward(g_out, q, k, v, out, lse, extra, ctx.max_qk, ctx.sdpa,
+                                       (True, True, True))  # fmt: skip
+            g_qkv = torch.stack([gq, gk, gv]).permute(1, 3, 0, 2, 4).reshape(B, N, 3 * H * D)
+            gx, g_lw, g_lb, g_qw, g_qb = _norm_linear_grads(
+                ctx, g_qkv, qkv_w, qkv_b_dtype, p_ln, mean, rstd, ln_w, ln_b
+            )
+        return gx, g_lw, g_lb, g_qw, g_qb, g_pw, g_pb, None
+
+
+class NormMlpFn(torch.autograd.Function):
+    """``fc2(gelu(fc1(layer_norm(x))))`` as timm's vision-transformer block computes its
+    second half (before layer scale, drop path and the residual add).
+
+    Inputs: ``x``, the LayerNorm's weight and bias, fc1's and fc2's weights and biases (biases
+    may be None), and ``cfg``: ``(norm_cfg, linear_dtype, gelu_dtype, approximate, spec)``,
+    ``norm_cfg`` being ``(normalized_shape, eps, layer_norm_dtype)``; the dtypes are autocast's
+    cast targets for each op (None: no cast).
+    """
+
+    @staticmethod
+    def forward(ctx, x, ln_w, ln_b, w1, b1, w2, b2, cfg):
+        norm_cfg, dtype, gelu_dtype, approximate, spec = cfg
+        h, xc, mean, rstd = _layer_norm(x, ln_w, ln_b, norm_cfg)
+        hc = autocast_cast(h, dtype)
+        a = F.linear(hc, autocast_cast(w1, dtype), autocast_cast(b1, dtype))
+        ac = autocast_cast(a, gelu_dtype)
+        g = F.gelu(ac, approximate=approximate)
+        gc = autocast_cast(g, dtype)
+        y = F.linear(gc, autocast_cast(w2, dtype), autocast_cast(b2, dtype))
+
+        n = ctx.needs_input_grad
+        need_a = n[0] or n[1] or n[2] or n[3] or n[4]  # the gradient of fc1's output
+        p_ln, mean, rstd = _keep_norm(xc, mean, rstd, spec, n[0] or n[1] or n[3])
+        ctx.x_meta = (x.shape, x.dtype, xc.dtype)
+        # GELU's input, kept once: GELU's backward and fc2's input (its GELU) rebuild from it
+        p_a = quant.quantize(ac, spec) if need_a or n[5] else None
+        quant.save(ctx, p_ln, mean, rstd, ln_w, ln_b, w1, w2, p_a)
+        ctx.cfg = cfg
+        ctx.h_dtype, ctx.hc_col_major = h.dtype, _folded_col_major(hc)
+        ctx.a_dtypes = (a.dtype, ac.dtype, g.dtype, gc.dtype)
+        ctx.gc_col_major = _folded_col_major(gc)
+        ctx.bias_dtypes = (_dtypes(b1), _dtypes(b2))
+        return _fresh(y)
+
+    @staticmethod
+    @_first_order_only
+    def backward(ctx, grad):
+        p_ln, mean, rstd, ln_w, ln_b, w1, w2, p_a = quant.load(ctx)
+        _, dtype, _, approximate, _ = ctx.cfg
+        n = ctx.needs_input_grad
+        need_ln = n[0] or n[1] or n[2]
+        need_a = need_ln or n[3] or n[4]
+        a_dtype, ac_dtype, g_dtype, gc_dtype = ctx.a_dtypes
+        b1_dtype, b2_dtype = ctx.bias_dtypes
+
+        def rebuild_gc():
+            return quant.dequantize(p_a.derived(("gelu", ac_dtype, approximate), g_dtype), gc_dtype)
+
+        g_gc, g_w2, g_b2 = linear_backward(
+            grad, rebuild_gc, w2, dtype, ctx.gc_col_major, (need_a, n[5], n[6]),
+            w2.dtype, b2_dtype,
+        )  # fmt: skip
+        gx = g_lw = g_lb = g_w1 = g_b1 = None
+        if need_a:
+            g_a = gelu_input_grad(p_a, g_gc.to(g_dtype), approximate, ac_dtype).to(a_dtype)
+            gx, g_lw, g_lb, g_w1, g_b1 = _norm_linear_grads(
+                ctx, g_a, w1, b1_dtype, p_ln, mean, rstd, ln_w, ln_b
+            )
+        return gx, g_lw, g_lb, g_w1, g_b1, g_w2, g_b2, None
+
+
+def _sdpa_choice(q, k, v, is_causal: bool) -> int:
+    """The fused backend PyTorch picks for these inputs; ``Unsupported`` for the others."""
+    try:
+        backend = int(torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal))
+    except RuntimeError as e:
+        raise Unsupported(str(e)) from e
+    fused = (SDPA_FLASH,) if q.device.type == "cpu" else (SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN)
+    if backend not in fused:
+        raise Unsupported(f"SDPA backend {backend}")
+    return backend
+
+
+def spec_of(*modules) -> QuantSpec | None:
+    """The one spec ``modules`` share, or None when they differ or one is exact by config."""
+    spec = modules[0].mesa_spec
+    for m in modules[1:]:
+        if m.mesa_spec != spec:
+            return None
+    return spec
