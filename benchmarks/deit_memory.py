@@ -8,7 +8,9 @@ fp16) and reports:
   static  torch.cuda.memory_allocated() before the measured steps (parameters, gradients,
           AdamW state); peak - static is the activation part;
   step    median step time (CUDA events) and images/s;
-and ratios against the plain AMP row of the same model, dtype and attention mode.
+and ratios against the plain AMP row of the same model, dtype and attention mode. With
+--compile each plain and mesa_lite row has a torch.compile twin (default mode, compiled during
+warm-up), whose ratios are against the compiled plain row.
 
 Without a GPU it runs a small default (DeiT-Tiny, batch 8) and reports the bytes one forward
 keeps for backward (unique storages, Parameters excluded), labelled as such: not GPU memory.
@@ -19,6 +21,7 @@ names a prefix; prints the table and the paths it wrote last. Exits 1 if a row f
 
   python benchmarks/deit_memory.py              # GPU: the full matrix; CPU: about 20 s
   python benchmarks/deit_memory.py --models deit_small_patch16_224 --dtype fp16 --attention fused
+  python benchmarks/deit_memory.py --models deit_small_patch16_224 --attention fused --compile
 """
 
 from __future__ import annotations
@@ -102,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=nonnegative_int, default=None,
                    help="steps before measuring (default: 3 on a GPU, 1 on CPU)")  # fmt: skip
     p.add_argument("--img-size", type=positive_int, default=224, help="input resolution")
+    p.add_argument(
+        "--compile", action="store_true",
+        help="add torch.compile rows of plain and mesa_lite (compiled during warm-up; their "
+        "ratios are against the compiled plain row)",
+    )  # fmt: skip
     add_out_argument(p, "deit_memory", "PREFIX.jsonl, .md and .png")
     p.add_argument(
         "--device", choices=["auto", "cuda", "cpu"], default="auto",
@@ -190,11 +198,17 @@ def _timed_steps(model, x, y, dtype, args, before_measuring=None) -> dict:
     }
 
 
-def gpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None) -> dict:
+def _compiled(model, compiled: bool):
+    return torch.compile(model) if compiled else model
+
+
+def gpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None,
+            compiled=False) -> dict:  # fmt: skip
     device = x.device
     # what is allocated before the row starts (the inputs only, if earlier rows freed all)
     before = torch.cuda.memory_allocated(device)
     model = make_model(name, attention, mode, args.img_size, bits, config).to(device)
+    model = _compiled(model, compiled)
     static = []
 
     def start():
@@ -214,9 +228,9 @@ def gpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None) 
     }
 
 
-def cpu_row(name, mode, dtype_name, attention, x, y, args, bits=8) -> dict:
+def cpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, compiled=False) -> dict:
     dtype = torch_dtype(dtype_name)
-    model = make_model(name, attention, mode, args.img_size, bits)
+    model = _compiled(make_model(name, attention, mode, args.img_size, bits), compiled)
     activations, copies = mesa_lite.report.kept_bytes(model, x, autocast=dtype)
     return {
         "kept_for_backward_mib": (activations + copies) / MIB,
@@ -227,10 +241,11 @@ def cpu_row(name, mode, dtype_name, attention, x, y, args, bits=8) -> dict:
 
 
 def add_ratios(rows: list[dict], memory_key: str) -> None:
-    """Ratios against the amp row with the same model, dtype and attention."""
-    base = {(r["model"], r["dtype"], r["attention"]): r for r in rows if r["mode"] == "amp"}
+    """Ratios against the amp row with the same model, dtype, attention and compilation."""
+    key = lambda r: (r["model"], r["dtype"], r["attention"], r.get("compiled", False))  # noqa: E731
+    base = {key(r): r for r in rows if r["mode"] == "amp"}
     for r in rows:
-        b = base.get((r["model"], r["dtype"], r["attention"]))
+        b = base.get(key(r))
         if b is None or "error" in r or "error" in b:
             continue
         r["memory_reduction"] = b[memory_key] / r[memory_key]
@@ -308,16 +323,18 @@ def run(argv=None) -> list[dict]:
     run_row = gpu_row if gpu else cpu_row
     rows: list[dict] = []
     plan = [
-        (name, dtype_name, attention, mode, bits)
+        (name, dtype_name, attention, mode, bits, compiled)
         for name in args.models
         for dtype_name in args.dtype
         for attention in args.attention
+        for compiled in ([False, True] if args.compile else [False])
         for mode in args.modes
+        if not (compiled and mode == "ckpt")
         for bits in (args.bits if mode == "mesa" else [None])
     ]
     bar = progress(plan, desc="rows", unit="row")
     inputs = None
-    for name, dtype_name, attention, mode, bits in bar:
+    for name, dtype_name, attention, mode, bits, compiled in bar:
         if inputs is None or inputs[0] != name:
             if inputs is not None and "mesa" in args.modes:
                 where_memory_goes(inputs[0], args, inputs[1], device)
@@ -327,12 +344,14 @@ def run(argv=None) -> list[dict]:
             inputs = (name, x.to(device), y.to(device))
         _, x, y = inputs
         label = {"amp": "plain", "ckpt": "ckpt"}.get(mode) or f"mesa int{bits}"
+        label += " compiled" if compiled else ""
         bar.set_postfix_str(f"{name.replace('_patch16_224', '')} {dtype_name} {attention} {label}")
         row = {"model": name, "batch": args.batch_size, "dtype": dtype_name,
                "attention": attention, "mode": mode, "bits": bits, "label": label,
-               **env}  # fmt: skip
+               "compiled": compiled, **env}  # fmt: skip
         try:
-            row.update(run_row(name, mode, dtype_name, attention, x, y, args, bits or 8))
+            kw = {"compiled": True} if compiled else {}
+            row.update(run_row(name, mode, dtype_name, attention, x, y, args, bits or 8, **kw))
         except Exception as e:  # a row that fails (OOM) is reported, not hidden
             row["error"] = f"{type(e).__name__}: {e}"[:500]
             traceback.print_exc()

@@ -448,6 +448,13 @@ def quantize(
     """
     _check_quantize_args(x, group_size, bits)
     row_len = 1 if normalize is None else _check_normalize(normalize, x.numel())
+    if stochastic and x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "quantize: stochastic rounding takes a fresh seed from the host on every call; "
+            "captured in a CUDA graph (torch.compile mode='reduce-overhead', torch.cuda.graph) "
+            "every replay would reuse one seed. Use rounding='nearest' (the 8-bit default) "
+            "with CUDA graphs"
+        )
     if use_triton is None:
         use_triton = use_triton_for(x)
     if not use_triton:

@@ -42,8 +42,10 @@ from mesa_lite.functions import (
     layer_norm_backward,
     linear_backward,
     rebuild_qkv,
+    sdpa_backend,
     sdpa_backward,
     sdpa_run,
+    split_qkv,
 )
 
 __all__ = ["NormAttentionFn", "NormMlpFn", "Unsupported"]
@@ -122,7 +124,7 @@ class NormAttentionFn(torch.autograd.Function):
         hc = autocast_cast(h, dtype)
         qkv = F.linear(hc, autocast_cast(qkv_w, dtype), autocast_cast(qkv_b, dtype))
         B, N, _ = qkv.shape
-        q, k, v = qkv.reshape(B, N, 3, heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = split_qkv(qkv, heads)
         backend = _sdpa_choice(q, k, v, is_causal)
         out, lse, extra, ctx.max_qk = sdpa_run(q, k, v, backend, 0.0, is_causal, None)
         o = out.transpose(1, 2).reshape(B, N, heads * head_dim)
@@ -133,7 +135,7 @@ class NormAttentionFn(torch.autograd.Function):
         need_qkv = need_ln or n[3] or n[4]  # the gradient of the qkv output
         p_ln, mean, rstd = _keep_norm(xc, mean, rstd, spec, n[0] or n[1] or n[3])
         ctx.x_meta = (x.shape, x.dtype, xc.dtype)
-        kept, ctx.qkv_layout = keep_qkv(q, k, v, spec) if need_qkv else ([], None)
+        kept, ctx.qkv_layout = keep_qkv(q, k, v, spec, (qkv, heads)) if need_qkv else ([], None)
         if need_qkv or n[5]:
             po, ctx.o_order = _keep_in_memory_order(out, spec)
         else:
@@ -247,15 +249,20 @@ class NormMlpFn(torch.autograd.Function):
         return gx, g_lw, g_lb, g_w1, g_b1, g_w2, g_b2, None
 
 
+def _fused_backends(device: torch.device) -> tuple[int, ...]:
+    return (SDPA_FLASH,) if device.type == "cpu" else (SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN)
+
+
+def fused_backend_ok(q, k, v, is_causal: bool) -> bool:
+    """Whether PyTorch runs attention on these inputs through a fused backend this path takes."""
+    return sdpa_backend(q, k, v, 0.0, is_causal, None) in _fused_backends(q.device)
+
+
 def _sdpa_choice(q, k, v, is_causal: bool) -> int:
     """The fused backend PyTorch picks for these inputs; ``Unsupported`` for the others."""
-    try:
-        backend = int(torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal))
-    except RuntimeError as e:
-        raise Unsupported(str(e)) from e
-    fused = (SDPA_FLASH,) if q.device.type == "cpu" else (SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN)
-    if backend not in fused:
-        raise Unsupported(f"SDPA backend {backend}")
+    backend = sdpa_backend(q, k, v, 0.0, is_causal, None)
+    if backend not in _fused_backends(q.device):
+        raise Unsupported(f"attention on SDPA backend {backend}")
     return backend
 
 

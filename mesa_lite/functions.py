@@ -63,7 +63,13 @@ def autocast_dtype(op: str, device: torch.device) -> torch.dtype | None:
     dev = device.type
     if dev not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(dev):
         return None
-    return _autocast_policy(op, dev, torch.get_autocast_dtype(dev))
+    return _autocast_policy_constant(op, dev, torch.get_autocast_dtype(dev))
+
+
+@torch.compiler.assume_constant_result
+def _autocast_policy_constant(op: str, device: str, autocast_dtype: torch.dtype):
+    # torch.compile calls this once while tracing (no probe ops in the graph)
+    return _autocast_policy(op, device, autocast_dtype)
 
 
 def autocast_cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
@@ -81,6 +87,8 @@ def _fresh(out: torch.Tensor) -> torch.Tensor:
     a folded matmul, an attention backend's transposed output), as a non-view alias of the same
     memory: autograd forbids in-place ops on views made inside a custom Function, while torch's
     own ops allow them on their outputs."""
+    if torch.compiler.is_compiling():  # views and in-place ops are the compiler's business
+        return out
     return out.detach() if out._base is not None else out
 
 
@@ -405,12 +413,36 @@ def _restore(p: quant.Packed, order: tuple) -> torch.Tensor:
 def _joint_base(q, k, v) -> torch.Tensor | None:
     """The contiguous tensor that ``q``, ``k`` and ``v`` are views of and whose elements they
     are together (timm's qkv Linear output, reshaped, permuted and unbound), else None."""
+    if torch.compiler.is_compiling():  # no view bases there; a caller passes the tensor
+        return None
     base = q._base
     if base is None or k._base is not base or v._base is not base or not base.is_contiguous():
         return None
     if base.dtype != q.dtype or base.numel() != q.numel() + k.numel() + v.numel():
         return None
     return base
+
+
+def sdpa_backend(q, k, v, dropout_p: float, is_causal: bool, scale) -> int:
+    """The fused backend ``F.scaled_dot_product_attention`` runs for these inputs (without a
+    mask), -1 for its math path or an error.
+
+    Under torch.compile, where ``_fused_sdp_choice`` cannot be traced, from the checks Dynamo
+    folds into constants: flash attention on the CPU; on CUDA flash attention, else the
+    memory-efficient kernel (eager mode may pick cuDNN where both are possible)."""
+    if not torch.compiler.is_compiling():
+        try:
+            return int(torch._fused_sdp_choice(q, k, v, None, dropout_p, is_causal, scale=scale))
+        except RuntimeError:
+            return -1
+    if q.device.type == "cpu":
+        return SDPA_FLASH
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, dropout_p, is_causal, False)
+    if torch.backends.cuda.can_use_flash_attention(params):
+        return SDPA_FLASH
+    if torch.backends.cuda.can_use_efficient_attention(params):
+        return SDPA_EFFICIENT
+    return -1
 
 
 def sdpa_run(q, k, v, backend: int, dropout_p: float, is_causal: bool, scale):
@@ -472,13 +504,19 @@ def sdpa_backward(grad, q, k, v, out, lse, extra, max_qk, cfg: tuple, needs):
     )  # fmt: skip
 
 
-def keep_qkv(q, k, v, spec: QuantSpec) -> tuple[list, object]:
+def keep_qkv(q, k, v, spec: QuantSpec, split=None) -> tuple[list, object]:
     """What attention keeps of q, k and v: ``(packed list, layout)`` for ``rebuild_qkv``.
 
     q and k are kept at 8 bits whatever the spec's width; v at the spec's. At 8 bits, when q,
     k and v are views of one tensor that holds just them (timm's qkv output), that tensor is
     kept instead, once (no gathering copies, one launch), and ``rebuild_qkv`` takes the same
-    views of its rebuild. Otherwise each is kept in its memory order."""
+    views of its rebuild. ``split``: ``(qkv, heads)`` when the caller made them as timm does,
+    ``qkv.reshape(B, N, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)``; otherwise the
+    tensor is found through ``_base`` (not under torch.compile). Else each is kept in its
+    memory order."""
+    if spec.bits == 8 and split is not None:
+        qkv, heads = split
+        return [quant.quantize(qkv, spec)], ("split", (*qkv.shape[:2], heads))
     base = _joint_base(q, k, v) if spec.bits == 8 else None
     if base is not None:
         off = base.storage_offset()
@@ -492,9 +530,17 @@ def keep_qkv(q, k, v, spec: QuantSpec) -> tuple[list, object]:
     return [p for p, _ in kept], ("orders", [order for _, order in kept])
 
 
+def split_qkv(qkv: torch.Tensor, heads: int) -> list[torch.Tensor]:
+    """timm's q, k, v: views of its qkv Linear's (B, N, 3 * heads * head_dim) output."""
+    B, N, _ = qkv.shape
+    return qkv.reshape(B, N, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+
+
 def rebuild_qkv(kept: list, layout) -> list[torch.Tensor]:
     """q, k and v from ``keep_qkv``'s result, with their forward strides."""
     how, info = layout
+    if how == "split":
+        return split_qkv(quant.dequantize(kept[0]).view(info[0], info[1], -1), info[2])
     if how == "views":  # one copy of the tensor q, k and v are views of
         base = quant.dequantize(kept[0]).reshape(-1)
         return [base.as_strided(*view) for view in info]

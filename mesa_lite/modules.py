@@ -7,7 +7,6 @@ Parameters, buffers, hooks and state_dict keys stay the same; ``to_original`` sw
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import ClassVar
 
@@ -29,6 +28,7 @@ from mesa_lite.functions import (
     SoftmaxFn,
     autocast_cast,
     autocast_dtype,
+    sdpa_backend,
 )
 
 __all__ = [
@@ -54,28 +54,11 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=4)
 
 
-def eager_under_compile(fn):
-    """Runs ``fn`` eagerly when ``torch.compile`` traces it (a graph break around it), directly
-    otherwise.
-
-    mesa_lite's Functions keep Python-side state (the sharing registry, weak references) that
-    Dynamo cannot trace; under ``torch.compile`` the wrapped layers therefore run as eager
-    islands between compiled regions, compressed as in eager mode. Outside compilation the
-    check costs one function call.
-    """
-    disabled = torch.compiler.disable(fn)
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            return disabled(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
 def _in_functorch_transform() -> bool:
-    """Inside a torch.func transform (grad, vjp, jacrev, vmap, ...)."""
+    """Inside a torch.func transform (grad, vjp, jacrev, vmap, ...); never while torch.compile
+    traces (its own functorch layers are not the user's transforms)."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
@@ -280,7 +263,6 @@ def _set_class(module: nn.Module, cls: type) -> None:
     module.__class__ = type(f"Parametrized{cls.__name__}", (cls,), attrs)
 
 
-@eager_under_compile
 def matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
     """``torch.matmul(a, b)`` keeping both operands compressed (when they need grad).
 
@@ -295,7 +277,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec | None) -> torch.Te
     return MatMulFn.apply(autocast_cast(a, dtype), bc, spec, (a, b))
 
 
-@eager_under_compile
 def softmax(x: torch.Tensor, dim: int, spec: QuantSpec | None) -> torch.Tensor:
     """``torch.softmax(x, dim)`` keeping only the output, as uint8 codes (when x needs grad)."""
     if spec is None or not _needs_grad(x) or _plain_under_functorch("softmax"):
@@ -303,14 +284,6 @@ def softmax(x: torch.Tensor, dim: int, spec: QuantSpec | None) -> torch.Tensor:
     return SoftmaxFn.apply(autocast_cast(x, autocast_dtype("softmax", x.device)), dim, spec)
 
 
-def _sdpa_backend(q, k, v, dropout_p, is_causal, scale) -> int:
-    try:
-        return int(torch._fused_sdp_choice(q, k, v, None, dropout_p, is_causal, scale=scale))
-    except RuntimeError:
-        return -1
-
-
-@eager_under_compile
 def scaled_dot_product_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -338,7 +311,7 @@ def scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
         )
     q, k, v = qc, kc, vc
-    backend = _sdpa_backend(q, k, v, dropout_p, is_causal, scale) if attn_mask is None else -1
+    backend = sdpa_backend(q, k, v, dropout_p, is_causal, scale) if attn_mask is None else -1
     fused = (SDPA_FLASH,) if q.device.type == "cpu" else (SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN)
     supported = backend in fused
     if not supported:
@@ -354,11 +327,9 @@ def scaled_dot_product_attention(
     return SDPAFn.apply(q, k, v, backend, dropout_p, is_causal, scale, spec)
 
 
-# The compressed paths of the modules below: under torch.compile only these run eagerly, so
-# the plain paths (eval, no_grad) still compile.
+# The compressed paths of the modules below.
 
 
-@eager_under_compile
 def _linear(x, weight, bias, spec: QuantSpec) -> torch.Tensor:
     if _plain_under_functorch("Linear"):
         return F.linear(x, weight, bias)
@@ -366,7 +337,6 @@ def _linear(x, weight, bias, spec: QuantSpec) -> torch.Tensor:
     return LinearFn.apply(autocast_cast(x, dtype), weight, bias, dtype, spec, (x,))
 
 
-@eager_under_compile
 def _gelu(x, approximate: str, spec: QuantSpec) -> torch.Tensor:
     if _plain_under_functorch("GELU"):
         return F.gelu(x, approximate=approximate)
@@ -374,7 +344,6 @@ def _gelu(x, approximate: str, spec: QuantSpec) -> torch.Tensor:
     return GELUFn.apply(xc, approximate, spec, (x,))
 
 
-@eager_under_compile
 def _layer_norm(x, shape: tuple, weight, bias, eps: float, spec: QuantSpec) -> torch.Tensor:
     if _plain_under_functorch("LayerNorm"):
         return F.layer_norm(x, shape, weight, bias, eps)

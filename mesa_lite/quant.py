@@ -145,15 +145,13 @@ def quantize(
         if normalize is not None:
             raise ValueError("quant.quantize: normalize needs a compressed spec")
         return Packed(x, None, x.shape, x.dtype, spec, signed)
-    codes, scales = group_quant.quantize(
-        x,
-        spec.group_size,
-        signed=signed,
-        stochastic=spec.stochastic,
-        use_triton=use_triton(x),
-        bits=spec.bits,
-        normalize=normalize,
-    )
+    if torch.compiler.is_compiling():
+        mean, rstd = (None, None) if normalize is None else normalize
+        codes, scales = torch.ops.mesa_lite.quantize(
+            x, spec.group_size, signed, spec.stochastic, spec.bits, mean, rstd
+        )
+    else:
+        codes, scales = _quantize(x, spec.group_size, signed, spec.stochastic, spec.bits, normalize)
     dtype = x.dtype if normalize is None else torch.float32
     return Packed(codes, scales, x.shape, dtype, spec, signed)
 
@@ -163,17 +161,15 @@ def _stored(p: Packed, dtype: torch.dtype, epilogue: tuple | None = None) -> tor
     one through a dequantize ``epilogue`` (see ``group_quant.dequantize``)."""
     if p.spec.exact:
         return p.codes.to(dtype)
-    return group_quant.dequantize(
-        p.codes,
-        p.scales,
-        p.spec.group_size,
-        dtype,
-        use_triton=use_triton(p.codes),
-        bits=p.spec.bits,
-        signed=p.signed,
-        numel=_prod(p.shape),
-        epilogue=epilogue,
-    )
+    numel = _prod(p.shape)
+    if torch.compiler.is_compiling():
+        kind, approximate, t1, t2, mid = _epilogue_op_args(epilogue, dtype)
+        return torch.ops.mesa_lite.dequantize(
+            p.codes, p.scales, p.spec.group_size, dtype, p.spec.bits, p.signed, numel,
+            kind, approximate, mid, t1, t2,
+        )  # fmt: skip
+    return _dequantize(p.codes, p.scales, p.spec.group_size, dtype, p.spec.bits, p.signed, numel,
+                       epilogue)  # fmt: skip
 
 
 def dequantize(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -231,6 +227,95 @@ def unnormalize(p: Packed, mean: torch.Tensor, rstd: torch.Tensor, dtype: torch.
     return _stored(p, dtype, ("unnormalize", mean, rstd)).view(p.shape)
 
 
+# ---- the kernels, and their form under torch.compile -----------------------------------------
+
+
+def _quantize(x, group_size: int, signed: bool, stochastic: bool, bits: int, normalize):
+    return group_quant.quantize(
+        x, group_size, signed=signed, stochastic=stochastic, use_triton=use_triton(x),
+        bits=bits, normalize=normalize,
+    )  # fmt: skip
+
+
+def _dequantize(codes, scales, group_size: int, dtype, bits: int, signed: bool, numel: int,
+                epilogue):  # fmt: skip
+    return group_quant.dequantize(
+        codes, scales, group_size, dtype, use_triton=use_triton(codes), bits=bits,
+        signed=signed, numel=numel, epilogue=epilogue,
+    )  # fmt: skip
+
+
+# Under torch.compile the two kernels are custom ops: Dynamo records them as single calls
+# (it cannot trace the launcher or the reference's data-dependent steps usefully), and the
+# graph keeps their outputs, the codes, for backward. Eager mode calls the kernels directly:
+# a custom op's dispatch would cost host time on every call.
+
+
+@torch.library.custom_op("mesa_lite::quantize", mutates_args=())
+def _quantize_op(
+    x: torch.Tensor,
+    group_size: int,
+    signed: bool,
+    stochastic: bool,
+    bits: int,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    normalize = None if mean is None else (mean, rstd)
+    return _quantize(x, group_size, signed, stochastic, bits, normalize)
+
+
+@_quantize_op.register_fake
+def _(x, group_size, signed, stochastic, bits, mean, rstd):
+    n = x.numel()
+    dtype = torch.int8 if (signed and bits == 8) else torch.uint8
+    codes = x.new_empty(group_quant.n_code_bytes(n, bits), dtype=dtype)
+    return codes, x.new_empty(group_quant.n_groups_of(n, group_size), dtype=torch.float32)
+
+
+@torch.library.custom_op("mesa_lite::dequantize", mutates_args=())
+def _dequantize_op(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype,
+    bits: int,
+    signed: bool,
+    numel: int,
+    epilogue: str,
+    approximate: str,
+    mid: torch.dtype,
+    t1: torch.Tensor | None,
+    t2: torch.Tensor | None,
+) -> torch.Tensor:
+    if epilogue == "none":
+        epi = None
+    elif epilogue == "gelu":
+        epi = ("gelu", approximate, mid)
+    elif epilogue == "gelu_backward":
+        epi = ("gelu_backward", approximate, t1)
+    else:
+        epi = (epilogue, t1, t2)
+    return _dequantize(codes, scales, group_size, dtype, bits, signed, numel, epi)
+
+
+@_dequantize_op.register_fake
+def _(codes, scales, group_size, dtype, bits, signed, numel, epilogue, approximate, mid, t1, t2):
+    return codes.new_empty(numel, dtype=dtype)
+
+
+def _epilogue_op_args(epilogue: tuple | None, dtype: torch.dtype) -> tuple:
+    """``(kind, approximate, t1, t2, mid)``: a dequantize epilogue as the custom op takes it."""
+    if epilogue is None:
+        return "none", "none", None, None, dtype
+    kind = epilogue[0]
+    if kind == "gelu":
+        return kind, epilogue[1], None, None, epilogue[2]
+    if kind == "gelu_backward":
+        return kind, epilogue[1], epilogue[2], None, dtype
+    return kind, "none", epilogue[1], epilogue[2], dtype
+
+
 # ---- sharing one copy between ops ------------------------------------------------------------
 
 # id(storage owner) -> list of entries; an entry: (weakref to the owner, version, storage
@@ -265,8 +350,8 @@ def share(x: torch.Tensor, p: Packed, memory_order: bool = False) -> None:
     the owner of ``x``'s storage dies. In the exact mode the stored tensor itself is held
     weakly, so nothing is kept alive by the registry.
     """
-    if memory_order and not _dense(x):
-        return
+    if (memory_order and not _dense(x)) or torch.compiler.is_compiling():
+        return  # under torch.compile: block-level Functions keep one copy without a registry
     owner = _owner(x)
     key = id(owner)
     if key not in _SHARED:
@@ -288,6 +373,8 @@ def lookup_shared(
     in ``x``'s dtype when dequantized with it. Reused only for the same bits and group size,
     so the saved precision is what ``spec`` asks for; rebuilt with ``x``'s shape.
     """
+    if torch.compiler.is_compiling():
+        return None
     t = x if key is None else key
     entries = _SHARED.get(id(_owner(t)))
     if not entries:

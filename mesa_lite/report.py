@@ -173,14 +173,15 @@ def _weight_copy_test(model: nn.Module):
     Parameters?
 
     A cast of a Parameter that requires grad is recognized by its grad_fn: a
-    ``ToCopyBackward0`` whose one input is that Parameter's ``AccumulateGrad``. A frozen
-    Parameter's cast has no grad_fn; it is recognized by shape, device and values: equal to
-    ``p.to(t.dtype)`` for a frozen Parameter ``p`` of another dtype (so a saved tensor that
-    does not need grad and equals such a cast bit for bit would be taken for one).
+    ``ToCopyBackward0`` whose one input is that Parameter's ``AccumulateGrad``. A cast with no
+    grad_fn (of a frozen Parameter, or saved by a compiled graph) is recognized by shape,
+    device and values: equal to ``p.to(t.dtype)`` for a Parameter ``p`` of another dtype (so a
+    saved tensor that does not need grad and equals such a cast bit for bit would be taken
+    for one).
     """
     params = list(model.parameters())
     storages = {p.untyped_storage().data_ptr() for p in params}
-    frozen = [p for p in params if not p.requires_grad and p.is_floating_point()]
+    floating = [p for p in params if p.is_floating_point()]
 
     def is_copy(t: torch.Tensor) -> bool:
         base = t._base if t._base is not None else t
@@ -197,7 +198,7 @@ def _weight_copy_test(model: nn.Module):
             and p.device == base.device
             and p.dtype != base.dtype
             and _cast_equal(p, base)
-            for p in frozen
+            for p in floating
         )
 
     return is_copy
@@ -213,9 +214,15 @@ def _cast_equal(p: torch.Tensor, t: torch.Tensor) -> bool:
     return torch.equal(p.to(t.dtype), t)
 
 
-def _attribute(model: nn.Module, fn) -> tuple[dict[str, list[int]], int, int, object]:
+def _attribute(
+    model: nn.Module, fn, per_module: bool = True
+) -> tuple[dict[str, list[int]], int, int, object]:
     """Runs ``fn()`` and returns ({module name: [activation bytes, weight-copy bytes] first
-    saved inside it}, activation total, weight-copy total, result)."""
+    saved inside it}, activation total, weight-copy total, result).
+
+    ``per_module``: attribute bytes to modules through forward hooks on every module (a
+    block-level Function then gives way to its per-op modules, which keep the same bytes);
+    False counts under the root's name, with the model running as it does untouched."""
     names = {m: n for n, m in model.named_modules()}
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     is_copy = _weight_copy_test(model)
@@ -237,8 +244,9 @@ def _attribute(model: nn.Module, fn) -> tuple[dict[str, list[int]], int, int, ob
         # cycle through C++ that Python's GC cannot see, and leak the whole graph
         return t.detach()
 
-    handles = [m.register_forward_pre_hook(pre) for m in names]
-    handles += [m.register_forward_hook(post, always_call=True) for m in names]
+    hooked = names if per_module else {}
+    handles = [m.register_forward_pre_hook(pre) for m in hooked]
+    handles += [m.register_forward_hook(post, always_call=True) for m in hooked]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = fn()
@@ -282,7 +290,8 @@ def kept_bytes(
 ) -> tuple[int, int]:
     """(activations, autocast weight copies): the two parts of ``saved_bytes``, from one
     training-mode forward."""
-    _, acts, copies, _ = _attribute(model, lambda: _forward(model, inputs, kwargs, autocast))
+    run = lambda: _forward(model, inputs, kwargs, autocast)  # noqa: E731
+    _, acts, copies, _ = _attribute(model, run, per_module=False)
     return acts, copies
 
 

@@ -20,7 +20,7 @@ come before the path to ``train.py``; everything after the path is ``train.py``'
   without gradients, so its wrapped layers run the plain torch op.
 - ``wrap`` keeps Parameters and state_dict keys: checkpoints load into an unwrapped model, and
   ``--resume`` and ``--initial-checkpoint`` work as usual.
-- ``--torchcompile`` compiles the wrapped model (its layers run as eager islands);
+- ``--torchcompile`` compiles the wrapped model (one graph: mesa_lite's Functions trace);
   ``--torchscript`` cannot script mesa_lite's layers and is refused before training starts.
 """
 

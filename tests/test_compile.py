@@ -1,8 +1,10 @@
-"""torch.compile of a wrapped model: the wrapped layers run as eager islands (graph breaks),
-compressed exactly as in eager mode; the rest compiles.
+"""torch.compile of a wrapped model: one graph, no breaks, in training as in eval.
 
-The ``aot_eager`` backend (Dynamo and AOTAutograd, no code generation) keeps this test free of
-a C++ compiler and makes its numerics those of eager mode, so results compare bit for bit.
+The block-level Functions and the per-op Functions trace; the quantize and dequantize kernels
+are the custom ops ``mesa_lite::quantize`` and ``mesa_lite::dequantize`` there, so the graph
+keeps their codes for backward, as eager mode does. The ``aot_eager`` backend (Dynamo and
+AOTAutograd, no code generation) keeps most tests free of a C++ compiler and makes their
+numerics those of eager mode; one test runs Inductor's CPU backend.
 """
 
 import copy
@@ -10,67 +12,136 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_equal, sqnr_db, tiny_vit
+from conftest import assert_equal, saved_activation_bytes, sqnr_db, tiny_vit
 
 import mesa_lite
 from mesa_lite import quant
 
-# With torch 2.11 (the H200 image), the compiled model's gradients are not bit-identical to
-# eager mode's (fc2's weight gradient differed in 87% of its elements, bf16 ulps, on the code
-# before and after issue 10 alike); they stay within the int8 floor of eager mode's. The likely
-# cause: a tensor that leaves one eager island and reaches the next through a compiled region
-# (timm's Mlp: GELU -> Dropout(0) -> fc2) comes back as another object, so fc2 quantizes it
-# afresh instead of reusing the GELU's codes. torch 2.14 (CI) matches eager mode bit for bit.
-ISLANDS_KEEP_IDENTITY = torch.__version__ >= "2.14"
+
+def tiny_swin():
+    import timm
+
+    torch.manual_seed(0)
+    return timm.create_model(
+        "swin_tiny_patch4_window7_224", img_size=28, patch_size=2, depths=(1, 1),
+        num_heads=(2, 4), embed_dim=16, window_size=7, num_classes=5, drop_path_rate=0.0,
+    )  # fmt: skip
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit"])
-def test_compiled_wrapped_model_equals_eager_wrapped(fused):
-    torch._dynamo.reset()
-    eager = mesa_lite.wrap(tiny_vit(fused))
-    compiled_src = copy.deepcopy(eager)
-    compiled = torch.compile(compiled_src, backend="aot_eager")
+MODELS = {"vit-fused": lambda: tiny_vit(True), "vit-explicit": lambda: tiny_vit(False),
+          "swin": tiny_swin}  # fmt: skip
+SIZES = {"vit-fused": 16, "vit-explicit": 16, "swin": 28}
+
+
+def _batch(name):
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 5, (4,), generator=g)
+    n = SIZES[name]
+    return torch.randn(4, 3, n, n, generator=g), torch.randint(0, 5, (4,), generator=g)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_wrapped_model_compiles_into_one_graph(name, train):
+    """torch._dynamo.explain: a wrapped ViT (fused or explicit attention) and Swin trace into
+    one graph with no break, training under autocast as in eval."""
+    torch._dynamo.reset()
+    model = mesa_lite.wrap(MODELS[name]()).train(train)
+    x, _ = _batch(name)
+
+    def step(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x).float().sum()
+
+    explained = torch._dynamo.explain(step)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_compiled_training_matches_eager_wrapped(name):
+    """fullgraph=True, bf16 autocast: the loss equals the compiled plain model's bit for bit
+    (PyTorch's own compiled forward: for Swin that differs from eager mode's) and the
+    gradients equal eager mode's where it keeps the same codes (the ViT's block-level
+    Functions); Swin's per-op layers keep their own copies under compile (no sharing
+    registry there), so its gradients are compared within the int8 floor."""
+    torch._dynamo.reset()
+    plain = MODELS[name]()
+    eager = mesa_lite.wrap(copy.deepcopy(plain))
+    compiled_src = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_src, backend="aot_eager", fullgraph=True)
+    compiled_plain = torch.compile(plain, backend="aot_eager")
+    x, y = _batch(name)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss_e = F.cross_entropy(eager(x), y)
         loss_c = F.cross_entropy(compiled(x), y)
-    assert_equal(loss_c, loss_e, "loss")
-    # compressed under compile as in eager mode: fewer bytes kept than the plain model
-    kept = mesa_lite.report.saved_bytes(compiled, x, autocast=torch.bfloat16)
-    plain = mesa_lite.report.saved_bytes(tiny_vit(fused), x, autocast=torch.bfloat16)
-    assert kept < 0.5 * plain, (kept, plain)
+        loss_p = F.cross_entropy(compiled_plain(x), y)
+    assert_equal(loss_c, loss_p, "loss")
     loss_e.backward()
     loss_c.backward()
     for (n, p), q in zip(eager.named_parameters(), compiled_src.parameters(), strict=True):
-        if ISLANDS_KEEP_IDENTITY:
+        if name == "vit-fused":
             assert_equal(q.grad, p.grad, n)
         else:
             assert sqnr_db(p.grad, q.grad) >= 30, (n, sqnr_db(p.grad, q.grad))
     del loss_c, loss_e
-    assert not quant._SHARED
+    assert not quant._SHARED  # nothing registered while compiled
 
 
-def test_eager_under_compile_is_transparent_outside_compile():
-    calls = []
-
-    @mesa_lite.modules.eager_under_compile
-    def f(a, b=1):
-        calls.append((a, b))
-        return a + b
-
-    assert f(2, b=3) == 5 and calls == [(2, 3)]
-    assert f.__name__ == "f"
-
-
-def test_plain_paths_compile_without_graph_breaks():
-    """Only the compressed paths are eager islands: in eval mode (the plain ops) a wrapped
-    model compiles into one graph."""
+@pytest.mark.parametrize("name", ["vit-fused", "swin"])
+def test_compiled_model_keeps_what_eager_mode_keeps(name):
+    """The compiled graph saves the codes, not the activations: bytes kept for backward
+    (fp32, so no autocast weight copies) equal eager mode's for the ViT, and are within 10%
+    for Swin (its per-op layers keep their own copies under compile, and the compiler's
+    partitioner chooses what its plain layers keep)."""
     torch._dynamo.reset()
-    model = mesa_lite.wrap(tiny_vit(True)).eval()
-    x = torch.randn(2, 3, 16, 16)
-    with torch.no_grad():
-        explained = torch._dynamo.explain(model)(x)
-    assert explained.graph_break_count == 0 and explained.graph_count == 1
-    model.train()  # the compressed paths do break the graph
-    assert torch._dynamo.explain(model)(x).graph_break_count > 0
+    model = mesa_lite.wrap(MODELS[name]()).train()
+    plain = mesa_lite.unwrap(copy.deepcopy(model)).train()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x, _ = _batch(name)
+    params = [*model.parameters(), *plain.parameters()]
+    compiled(x)  # compile outside the count
+    eager_kept, _ = saved_activation_bytes(lambda: model(x), params)
+    compiled_kept, _ = saved_activation_bytes(lambda: compiled(x), params)
+    plain_kept, _ = saved_activation_bytes(lambda: plain(x), params)
+    if name == "vit-fused":
+        assert compiled_kept == eager_kept
+    else:
+        assert abs(compiled_kept - eager_kept) <= 0.1 * eager_kept, (eager_kept, compiled_kept)
+    # measured: this ViT 4.9x less than plain, this tiny Swin 1.8x (its masked window attention
+    # and position biases stay plain)
+    assert compiled_kept * (4 if name == "vit-fused" else 1.5) < plain_kept
+
+
+def test_inductor_cpu_backend_trains_within_the_floor():
+    """Inductor's CPU backend (generated C++): one graph, and gradients within the int8 floor
+    of eager mode's (Inductor reorders floating-point work, so not bit for bit)."""
+    torch._dynamo.reset()
+    eager = mesa_lite.wrap(tiny_vit(True))
+    compiled_src = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_src, fullgraph=True)
+    x, y = _batch("vit-fused")
+    F.cross_entropy(eager(x), y).backward()
+    F.cross_entropy(compiled(x), y).backward()
+    for (n, p), q in zip(eager.named_parameters(), compiled_src.parameters(), strict=True):
+        assert sqnr_db(p.grad, q.grad) >= 30, (n, sqnr_db(p.grad, q.grad))
+
+
+def test_custom_ops_pass_opcheck():
+    """The kernels' custom-op registrations (schema, fake tensors, autograd-free)."""
+    x = torch.randn(6, 40)
+    mean, rstd = x.mean(1), x.var(1).add(1e-5).rsqrt()
+    torch.library.opcheck(torch.ops.mesa_lite.quantize, (x, 16, True, False, 8, None, None))
+    torch.library.opcheck(torch.ops.mesa_lite.quantize, (x, 16, True, False, 8, mean, rstd))
+    torch.library.opcheck(torch.ops.mesa_lite.quantize, (x.abs(), 16, False, True, 4, None, None))
+    codes, scales = torch.ops.mesa_lite.quantize(x, 16, True, False, 8, None, None)
+    deq = torch.ops.mesa_lite.dequantize
+    f32, bf16 = torch.float32, torch.bfloat16
+    w, b = torch.randn(40), torch.randn(40)
+    for args in (
+        ("none", "none", f32, None, None),
+        ("affine", "none", f32, w, b),
+        ("unnormalize", "none", f32, mean, rstd),
+        ("gelu", "tanh", bf16, None, None),
+        ("gelu_backward", "none", f32, torch.randn(240), None),
+    ):
+        torch.library.opcheck(deq, (codes, scales, 16, f32, 8, True, 240, *args))

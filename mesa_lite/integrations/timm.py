@@ -20,7 +20,6 @@ from mesa_lite.modules import (
     LayerNorm,
     Linear,
     MesaModule,
-    eager_under_compile,
     matmul,
     scaled_dot_product_attention,
     softmax,
@@ -96,9 +95,6 @@ if _TimmAttention is not None:
                 return super().forward(x, *args, **kwargs)
             return self._mesa_forward(x, *args, **kwargs)
 
-        # one eager island under torch.compile: the projection then finds the attention
-        # output's codes through the view it takes in eager mode
-        @eager_under_compile
         def _mesa_forward(self, x, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
             spec = self.mesa_spec
             B, N, C = x.shape
@@ -190,6 +186,17 @@ if _TimmBlock is not None:
                     return None
             return spec, at, mlp
 
+        def _mesa_fused_attention_ok(self, x, at, is_causal: bool, dtype) -> bool:
+            """Whether the fused attention half takes inputs like ``x``. Eager mode learns it
+            from the Function's ``Unsupported``; torch.compile asks the backend checks on
+            q, k, v views of an empty qkv tensor (traced, not computed)."""
+            if not torch.compiler.is_compiling():
+                return not self._mesa_unfused_attention(x)
+            B, N, _ = x.shape
+            qkv = x.new_empty(B, N, 3, at.num_heads, at.head_dim, dtype=dtype or x.dtype)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            return blocks.fused_backend_ok(q, k, v, is_causal)
+
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             if args or kwargs.get("attn_mask") is not None or not self._mesa_block_active(x):
                 return super().forward(x, *args, **kwargs)
@@ -205,7 +212,7 @@ if _TimmBlock is not None:
             norm1 = (tuple(n1.normalized_shape), n1.eps, autocast_dtype("layer_norm", dev))
             norm2 = (tuple(n2.normalized_shape), n2.eps, norm1[2])
             y = None
-            if sdpa_dtype == dtype and not self._mesa_unfused_attention(x):
+            if sdpa_dtype == dtype and self._mesa_fused_attention_ok(x, at, is_causal, dtype):
                 cfg = (norm1, dtype, at.num_heads, at.head_dim, is_causal, spec)
                 qkv, proj = at.qkv, at.proj
                 try:

@@ -121,6 +121,18 @@ def test_stochastic_rounding_reproducible_under_seed(use_triton, device, triton_
     assert not torch.equal(a[0], c[0]), "different draws gave the same codes"
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_stochastic_rounding_refuses_cuda_graph_capture():
+    """A CUDA graph would replay the one host seed it captured: a clear error instead."""
+    x = torch.randn(4096, device="cuda")
+    gq.quantize(x, 128, stochastic=True)  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="CUDA graph"), torch.cuda.graph(graph):
+        gq.quantize(x, 128, stochastic=True)
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):  # nearest rounding captures
+        gq.quantize(x, 128)
+
+
 @pytest.mark.parametrize("bits", [8, 4])  # groups of 2: not a multiple of 4 codes per byte
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "reference"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
