@@ -6,7 +6,7 @@ the per-op modules run (so outputs are bit-identical to PyTorch's), keeps what t
 path keeps (the normalized input once for the LayerNorm and the next Linear, q/k/v once as the
 qkv output, the attention output once for attention and the projection, the GELU input once
 for GELU and fc2), and computes the gradients with the per-op backward helpers of
-``functions``. What one op hands the next stays inside the Function, so no sharing registry
+``mesa_lite/ops``. What one op hands the next stays inside the Function, so no sharing registry
 is needed: one autograd node and one Python call per half instead of four or five, and a form
 ``torch.compile`` can trace.
 
@@ -26,27 +26,23 @@ import torch.nn.functional as F
 
 from mesa_lite import quant
 from mesa_lite.config import QuantSpec
-from mesa_lite.functions import (
+from mesa_lite.ops.attention import (
     SDPA_CUDNN,
     SDPA_EFFICIENT,
     SDPA_FLASH,
-    _first_order_only,
-    _folded_col_major,
-    _fresh,
     _keep_in_memory_order,
     _restore,
-    autocast_cast,
-    gelu_input_grad,
-    keep_normalized,
     keep_qkv,
-    layer_norm_backward,
-    linear_backward,
     rebuild_qkv,
     sdpa_backend,
     sdpa_backward,
     sdpa_run,
     split_qkv,
 )
+from mesa_lite.ops.common import autocast_cast, first_order_only, fresh
+from mesa_lite.ops.gelu import gelu_input_grad
+from mesa_lite.ops.layer_norm import keep_normalized, layer_norm_backward
+from mesa_lite.ops.linear import _folded_col_major, linear_backward
 
 __all__ = ["NormAttentionFn", "NormMlpFn", "Unsupported"]
 
@@ -150,10 +146,10 @@ class NormAttentionFn(torch.autograd.Function):
         ctx.h_dtype, ctx.hc_col_major = h.dtype, _folded_col_major(hc)
         ctx.o_meta = (o.dtype, _folded_col_major(o), out.shape)
         ctx.bias_dtypes = (_dtypes(qkv_b), _dtypes(proj_b))
-        return _fresh(y)
+        return fresh(y)
 
     @staticmethod
-    @_first_order_only
+    @first_order_only
     def backward(ctx, grad):
         p_ln, mean, rstd, ln_w, ln_b, qkv_w, proj_w, po, lse, *rest = quant.load(ctx)
         kept, extra = rest[: ctx.n_qkv], rest[ctx.n_qkv :]
@@ -220,10 +216,10 @@ class NormMlpFn(torch.autograd.Function):
         ctx.a_dtypes = (a.dtype, ac.dtype, g.dtype, gc.dtype)
         ctx.gc_col_major = _folded_col_major(gc)
         ctx.bias_dtypes = (_dtypes(b1), _dtypes(b2))
-        return _fresh(y)
+        return fresh(y)
 
     @staticmethod
-    @_first_order_only
+    @first_order_only
     def backward(ctx, grad):
         p_ln, mean, rstd, ln_w, ln_b, w1, w2, p_a = quant.load(ctx)
         _, dtype, _, approximate, _ = ctx.cfg

@@ -1,5 +1,5 @@
-"""Drop-in modules: each subclasses the torch module it replaces and calls a Function when
-training with grad; otherwise it runs the plain torch op.
+"""Drop-in modules: each subclasses the torch module it replaces and calls its op's functional
+form (``mesa_lite/ops/<op>.py``) when training with grad; otherwise it runs the plain torch op.
 
 ``wrap`` converts a module in place by switching its class (``from_module``): the object, its
 Parameters, buffers, hooks and state_dict keys stay the same; ``to_original`` switches back.
@@ -7,7 +7,6 @@ Parameters, buffers, hooks and state_dict keys stay the same; ``to_original`` sw
 
 from __future__ import annotations
 
-import warnings
 from typing import ClassVar
 
 import torch
@@ -16,20 +15,13 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from mesa_lite.config import QuantSpec
-from mesa_lite.functions import (
-    SDPA_CUDNN,
-    SDPA_EFFICIENT,
-    SDPA_FLASH,
-    GELUFn,
-    LayerNormFn,
-    LinearFn,
-    MatMulFn,
-    SDPAFn,
-    SoftmaxFn,
-    autocast_cast,
-    autocast_dtype,
-    sdpa_backend,
-)
+from mesa_lite.ops.attention import scaled_dot_product_attention
+from mesa_lite.ops.common import in_functorch_transform, needs_grad
+from mesa_lite.ops.gelu import gelu
+from mesa_lite.ops.layer_norm import layer_norm
+from mesa_lite.ops.linear import linear
+from mesa_lite.ops.matmul import matmul
+from mesa_lite.ops.softmax import softmax
 
 __all__ = [
     "MesaModule",
@@ -45,49 +37,6 @@ __all__ = [
 ]
 
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, stacklevel=4)
-
-
-def _in_functorch_transform() -> bool:
-    """Inside a torch.func transform (grad, vjp, jacrev, vmap, ...); never while torch.compile
-    traces (its own functorch layers are not the user's transforms)."""
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._functorch.peek_interpreter_stack() is not None
-
-
-def _plain_under_functorch(name: str) -> bool:
-    """True (after a one-time warning) when a compressed path is asked for inside a torch.func
-    transform: mesa_lite's Functions and kernels are not functorch-aware, so the plain torch
-    op runs there (exact, uncompressed)."""
-    if not _in_functorch_transform():
-        return False
-    _warn_once(
-        "functorch",
-        f"mesa_lite: {name} runs as plain torch (uncompressed) inside torch.func transforms "
-        "(grad, vjp, jacrev, vmap); its results are exact there",
-    )
-    return True
-
-
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    """The compressed path applies: grad mode on, some tensor needs grad, and all are floating
-    point (integer or complex inputs run the plain op, so they fail or work exactly as in
-    torch)."""
-    given = [t for t in tensors if t is not None]
-    return (
-        torch.is_grad_enabled()
-        and any(t.requires_grad for t in given)
-        and all(t.is_floating_point() for t in given)
-    )
-
-
 class MesaModule:
     """Mixin of every mesa_lite module: the spec, the switch between paths, the class swap."""
 
@@ -95,7 +44,7 @@ class MesaModule:
     mesa_spec: QuantSpec | None = None
 
     def _mesa_active(self, *tensors: torch.Tensor | None) -> bool:
-        return self.mesa_spec is not None and self.training and _needs_grad(*tensors)
+        return self.mesa_spec is not None and self.training and needs_grad(*tensors)
 
     def extra_repr(self) -> str:
         base = super().extra_repr()
@@ -176,7 +125,7 @@ class FusedBlock:
         global module hooks (they would expect the sub-layers' forwards to run)."""
         if not (self.training and torch.is_grad_enabled() and x.is_floating_point()):
             return False
-        if any(_GLOBAL_HOOKS) or _in_functorch_transform():
+        if any(_GLOBAL_HOOKS) or in_functorch_transform():
             return False
         return True
 
@@ -263,95 +212,6 @@ def _set_class(module: nn.Module, cls: type) -> None:
     module.__class__ = type(f"Parametrized{cls.__name__}", (cls,), attrs)
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
-    """``torch.matmul(a, b)`` keeping both operands compressed (when they need grad).
-
-    Operands of fewer than 2 dims run the plain op, exact.
-    """
-    if spec is None or a.dim() < 2 or b.dim() < 2 or not _needs_grad(a, b):
-        return torch.matmul(a, b)
-    if _plain_under_functorch("matmul"):
-        return torch.matmul(a, b)
-    dtype = autocast_dtype("matmul", a.device)
-    bc = autocast_cast(b, dtype)  # b first, as autocast casts (see scaled_dot_product_attention)
-    return MatMulFn.apply(autocast_cast(a, dtype), bc, spec, (a, b))
-
-
-def softmax(x: torch.Tensor, dim: int, spec: QuantSpec | None) -> torch.Tensor:
-    """``torch.softmax(x, dim)`` keeping only the output, as uint8 codes (when x needs grad)."""
-    if spec is None or not _needs_grad(x) or _plain_under_functorch("softmax"):
-        return torch.softmax(x, dim)
-    return SoftmaxFn.apply(autocast_cast(x, autocast_dtype("softmax", x.device)), dim, spec)
-
-
-def scaled_dot_product_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    spec: QuantSpec | None = None,
-) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` keeping q, k, v and the output compressed.
-
-    Runs the fused backend PyTorch itself picks for these inputs (so the output is
-    bit-identical): CPU flash attention, or CUDA flash, memory-efficient or cuDNN attention.
-    Where PyTorch would pick the math path or an ``attn_mask`` is
-    given, the call runs as plain PyTorch, uncompressed, with a one-time warning.
-    """
-    plain = spec is None or not _needs_grad(q, k, v) or _plain_under_functorch("attention")
-    dtype = None if plain else autocast_dtype("sdpa", q.device)
-    # right to left, as autocast casts them (its C++ argument expansion): when q, k, v are one
-    # tensor, the order of the casts is the order their gradients are summed in
-    vc, kc, qc = autocast_cast(v, dtype), autocast_cast(k, dtype), autocast_cast(q, dtype)
-    if plain or not (qc.dtype == kc.dtype == vc.dtype):  # mixed dtypes: torch's own error
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
-        )
-    q, k, v = qc, kc, vc
-    backend = sdpa_backend(q, k, v, dropout_p, is_causal, scale) if attn_mask is None else -1
-    fused = (SDPA_FLASH,) if q.device.type == "cpu" else (SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN)
-    supported = backend in fused
-    if not supported:
-        why = "an attn_mask" if attn_mask is not None else f"SDPA backend {backend}"
-        _warn_once(
-            f"sdpa-{why}-{q.device.type}",
-            f"mesa_lite: attention with {why} on {q.device.type} is not compressed; "
-            "it runs as plain F.scaled_dot_product_attention",
-        )
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
-        )
-    return SDPAFn.apply(q, k, v, backend, dropout_p, is_causal, scale, spec)
-
-
-# The compressed paths of the modules below.
-
-
-def _linear(x, weight, bias, spec: QuantSpec) -> torch.Tensor:
-    if _plain_under_functorch("Linear"):
-        return F.linear(x, weight, bias)
-    dtype = autocast_dtype("linear", x.device)
-    return LinearFn.apply(autocast_cast(x, dtype), weight, bias, dtype, spec, (x,))
-
-
-def _gelu(x, approximate: str, spec: QuantSpec) -> torch.Tensor:
-    if _plain_under_functorch("GELU"):
-        return F.gelu(x, approximate=approximate)
-    xc = autocast_cast(x, autocast_dtype("gelu", x.device))
-    return GELUFn.apply(xc, approximate, spec, (x,))
-
-
-def _layer_norm(x, shape: tuple, weight, bias, eps: float, spec: QuantSpec) -> torch.Tensor:
-    if _plain_under_functorch("LayerNorm"):
-        return F.layer_norm(x, shape, weight, bias, eps)
-    dtype = autocast_dtype("layer_norm", x.device)
-    w, b = autocast_cast(weight, dtype), autocast_cast(bias, dtype)
-    return LayerNormFn.apply(autocast_cast(x, dtype), shape, w, b, eps, spec)
-
-
 class Linear(MesaModule, nn.Linear):
     """``nn.Linear`` keeping its (autocast-cast) input compressed."""
 
@@ -361,7 +221,7 @@ class Linear(MesaModule, nn.Linear):
         weight = self.weight  # once: a parametrized weight is computed on each access
         if not self._mesa_active(x, weight, self.bias):
             return F.linear(x, weight, self.bias)
-        return _linear(x, weight, self.bias, self.mesa_spec)
+        return linear(x, weight, self.bias, self.mesa_spec)
 
 
 class GELU(MesaModule, nn.GELU):
@@ -378,7 +238,7 @@ class GELU(MesaModule, nn.GELU):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._mesa_active(x):
             return super().forward(x)
-        return _gelu(x, self.approximate, self.mesa_spec)
+        return gelu(x, self.approximate, self.mesa_spec)
 
 
 class Softmax(MesaModule, nn.Softmax):
@@ -405,7 +265,7 @@ class LayerNorm(MesaModule, nn.LayerNorm):
         shape = tuple(self.normalized_shape)
         if not self._mesa_active(x, weight, bias):
             return F.layer_norm(x, shape, weight, bias, self.eps)
-        return _layer_norm(x, shape, weight, bias, self.eps, self.mesa_spec)
+        return layer_norm(x, shape, weight, bias, self.eps, self.mesa_spec)
 
 
 class MatMul(MesaModule, nn.Module):

@@ -24,9 +24,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
+from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from mesa_lite.config import QuantSpec
 from mesa_lite.kernels import group_quant
@@ -48,11 +48,11 @@ class Packed:
         signed: signed codes (True) or unsigned codes for non-negative tensors (False).
         recipe: a tuple of steps that derive the tensor from the stored one, applied in
             order (empty: the stored tensor itself). A step is ``(kind, dtype, *params)``,
-            ``dtype`` the dtype the forward op of that step ran in:
-            ``("affine", dtype, normalized_shape, eps)`` (a LayerNorm's output from its
-            normalized input; weight and bias in ``aux``; in the exact mode the stored tensor
-            is the LayerNorm input and the step reruns the LayerNorm; always the first step)
-            and ``("gelu", dtype, approximate)``.
+            ``dtype`` the dtype the forward op of that step ran in; each op registers its kind
+            (``register_step``): ``("affine", dtype, normalized_shape, eps)`` in
+            ``ops/layer_norm.py`` (a LayerNorm's output from its normalized input; weight and
+            bias in ``aux``; always the first step), ``("gelu", dtype, approximate)`` in
+            ``ops/gelu.py``.
         aux: tensors the steps need, in step order, kept with ``save_for_backward`` too.
     """
 
@@ -156,7 +156,7 @@ def quantize(
     return Packed(codes, scales, x.shape, dtype, spec, signed)
 
 
-def _stored(p: Packed, dtype: torch.dtype, epilogue: tuple | None = None) -> torch.Tensor:
+def stored(p: Packed, dtype: torch.dtype, epilogue: tuple | None = None) -> torch.Tensor:
     """The stored tensor (before any recipe), flat unless exact, in ``dtype``; a compressed
     one through a dequantize ``epilogue`` (see ``group_quant.dequantize``)."""
     if p.spec.exact:
@@ -180,51 +180,66 @@ def dequantize(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:
     the end; in the exact (debug) mode steps rerun the very ops of the forward on the exact
     input, so results are bit-identical. Compressed, the first step runs inside the dequantize
     kernel (one pass, no full-precision temporaries), in the final dtype when it is the last.
+    The steps are the ops' own (``register_step``).
     """
     dtype = p.dtype if dtype is None else dtype
     if not p.recipe:
-        return _stored(p, dtype).view(p.shape)
+        return stored(p, dtype).view(p.shape)
     aux = iter(p.aux)
     h = None
     last = len(p.recipe) - 1
     for i, step in enumerate(p.recipe):
-        kind, step_dtype = step[0], step[1]
-        if kind == "affine":
-            if i != 0:
-                raise ValueError(f"affine recipe step must come first, got {p.recipe!r}")
-            normalized_shape, eps = step[2], step[3]
-            weight, bias = next(aux), next(aux)
-            if p.spec.exact:  # codes: the LayerNorm input itself
-                h = F.layer_norm(p.codes, normalized_shape, weight, bias, eps)
-                continue
-            out_dtype = dtype if i == last else torch.float32
-            h = _stored(p, out_dtype, _affine(weight, bias)).view(p.shape)
-        elif kind == "gelu":
-            if h is None and not p.spec.exact:  # the first step: inside the dequantize kernel
-                out_dtype = dtype if i == last else step_dtype
-                h = _stored(p, out_dtype, ("gelu", step[2], step_dtype)).view(p.shape)
-                continue
-            # a later step, or the exact mode: torch's GELU in the dtype the forward's ran in
-            h = F.gelu((p.codes if h is None else h).to(step_dtype), approximate=step[2])
-        else:
+        rule = _STEPS.get(step[0])
+        if rule is None:
             raise ValueError(f"unknown recipe step {step!r}")
+        args = [next(aux) for _ in range(rule.n_aux)]
+        if h is None:
+            h = rule.first(p, step, args, dtype if i == last else rule.mid_dtype(step))
+        elif rule.then is None:
+            raise ValueError(f"{step[0]} recipe step must come first, got {p.recipe!r}")
+        else:
+            h = rule.then(h, step, args)
     return h.to(dtype).view(p.shape)
 
 
-def _affine(weight, bias) -> tuple | None:
-    return None if weight is None and bias is None else ("affine", weight, bias)
+@dataclasses.dataclass(frozen=True)
+class RecipeStep:
+    """How one kind of recipe step rebuilds its op's output (an op's file registers it).
+
+    Attributes:
+        n_aux: the aux tensors it takes from the Packed, in order.
+        first: ``(packed, step, aux, dtype) -> tensor``: the step on the stored tensor, as the
+            first step; compressed, an epilogue of the dequantize kernel (``stored``), in the
+            exact mode the op itself on the kept input.
+        then: ``(tensor, step, aux) -> tensor``: the step on a previous step's result; None
+            for a step that must come first.
+        mid_dtype: ``step -> dtype``: the dtype of its result when another step follows.
+    """
+
+    n_aux: int
+    first: Callable
+    then: Callable | None
+    mid_dtype: Callable
+
+
+_STEPS: dict[str, RecipeStep] = {}
+
+
+def register_step(kind: str, rule: RecipeStep) -> None:
+    """Registers how recipe steps ``(kind, dtype, *params)`` are rebuilt."""
+    _STEPS[kind] = rule
 
 
 def gelu_backward(p: Packed, grad: torch.Tensor, approximate: str, dtype: torch.dtype):
     """GELU's input gradient from the output gradient and ``p``, the GELU input's codes (no
     recipe, compressed), in one pass: the input is rebuilt in ``dtype`` in registers."""
-    return _stored(p, dtype, ("gelu_backward", approximate, grad)).view(p.shape)
+    return stored(p, dtype, ("gelu_backward", approximate, grad)).view(p.shape)
 
 
 def unnormalize(p: Packed, mean: torch.Tensor, rstd: torch.Tensor, dtype: torch.dtype):
     """A LayerNorm's input rebuilt from its kept normalized input: ``x_hat / rstd + mean``
     (``mean`` where ``rstd`` is 0), in ``dtype``, in one pass."""
-    return _stored(p, dtype, ("unnormalize", mean, rstd)).view(p.shape)
+    return stored(p, dtype, ("unnormalize", mean, rstd)).view(p.shape)
 
 
 # ---- the kernels, and their form under torch.compile -----------------------------------------

@@ -72,7 +72,7 @@ def test_sdpa_timm_layout_keeps_stride_order_and_compresses(bits, device):
 
 
 def test_sdpa_restores_forward_stride_order():
-    from mesa_lite.functions import _keep_in_memory_order, _restore
+    from mesa_lite.ops.attention import _keep_in_memory_order, _restore
 
     x = torch.randn(2, 50, 3, 16).permute(0, 2, 1, 3)  # (B, H, N, D) stored as (B, N, H, D)
     p, order = _keep_in_memory_order(x, QuantSpec())
@@ -84,7 +84,7 @@ def test_sdpa_restores_forward_stride_order():
 def test_sdpa_with_mask_runs_plain_and_warns(device):
     (q, k, v), _ = _qkv(device, strided=False)
     mask = torch.rand(50, 50, device=device) > 0.3
-    mesa_lite.modules._WARNED.clear()
+    mesa_lite.ops.common._WARNED.clear()
     with pytest.warns(UserWarning, match="attn_mask.*not compressed"):
         out = mesa_sdpa(q, k, v, attn_mask=mask, spec=QuantSpec())
     assert_equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), "masked forward")
@@ -96,7 +96,7 @@ def test_sdpa_math_backend_runs_plain(device):
     if device.type != "cpu":
         pytest.skip("CPU backend selection")
     (q, k, v), _ = _qkv(device, strided=False)
-    mesa_lite.modules._WARNED.clear()
+    mesa_lite.ops.common._WARNED.clear()
     with pytest.warns(UserWarning, match="SDPA backend 0 on cpu is not compressed"):
         torch.manual_seed(0)
         out = mesa_sdpa(q, k, v, dropout_p=0.5, spec=QuantSpec())

@@ -414,7 +414,7 @@ def test_torch_func_transforms_run_plain_with_a_warning(transform):
         return torch.func.vmap(torch.func.grad(f), in_dims=(None, 0))(params, x[:, None])
 
     ref = apply(plain)
-    mesa_lite.modules._WARNED.discard("functorch")
+    mesa_lite.ops.common._WARNED.discard("functorch")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = apply(wrapped)

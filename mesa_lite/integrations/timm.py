@@ -13,7 +13,6 @@ import torch
 import torch.nn as nn
 
 from mesa_lite import blocks
-from mesa_lite.functions import autocast_dtype
 from mesa_lite.modules import (
     GELU,
     FusedBlock,
@@ -24,6 +23,7 @@ from mesa_lite.modules import (
     scaled_dot_product_attention,
     softmax,
 )
+from mesa_lite.ops.common import autocast_dtype
 
 try:
     import timm.layers as _tl

@@ -1,0 +1,256 @@
+"""Fused attention (``F.scaled_dot_product_attention``): q, k, v and the output kept compressed,
+through the fused backend PyTorch picks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from mesa_lite import quant
+from mesa_lite.config import QuantSpec
+from mesa_lite.ops.common import (
+    autocast_cast,
+    autocast_dtype,
+    first_order_only,
+    fresh,
+    needs_grad,
+    plain_under_functorch,
+    register_probe,
+    warn_once,
+)
+
+register_probe("sdpa", 1, lambda a: F.scaled_dot_product_attention(*[a[None, None]] * 3))
+
+SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN = 1, 2, 3  # torch.nn.attention.SDPBackend values
+
+
+def _keep_in_memory_order(t: torch.Tensor, spec: QuantSpec) -> tuple[quant.Packed, tuple]:
+    """Quantizes ``t`` in its memory order (no copy when it is dense), so that backward can
+    rebuild a tensor with the same stride order (cuDNN's backward expects it)."""
+    order = quant.memory_order(t)
+    return quant.quantize(t.permute(order), spec), order
+
+
+def _restore(p: quant.Packed, order: tuple) -> torch.Tensor:
+    inverse = [0] * len(order)
+    for i, d in enumerate(order):
+        inverse[d] = i
+    return quant.dequantize(p).permute(inverse)
+
+
+def _joint_base(q, k, v) -> torch.Tensor | None:
+    """The contiguous tensor that ``q``, ``k`` and ``v`` are views of and whose elements they
+    are together (timm's qkv Linear output, reshaped, permuted and unbound), else None."""
+    if torch.compiler.is_compiling():  # no view bases there; a caller passes the tensor
+        return None
+    base = q._base
+    if base is None or k._base is not base or v._base is not base or not base.is_contiguous():
+        return None
+    if base.dtype != q.dtype or base.numel() != q.numel() + k.numel() + v.numel():
+        return None
+    return base
+
+
+def sdpa_backend(q, k, v, dropout_p: float, is_causal: bool, scale) -> int:
+    """The fused backend ``F.scaled_dot_product_attention`` runs for these inputs (without a
+    mask), -1 for its math path or an error.
+
+    Under torch.compile, where ``_fused_sdp_choice`` cannot be traced, from the checks Dynamo
+    folds into constants: flash attention on the CPU; on CUDA flash attention, else the
+    memory-efficient kernel (eager mode may pick cuDNN where both are possible)."""
+    if not torch.compiler.is_compiling():
+        try:
+            return int(torch._fused_sdp_choice(q, k, v, None, dropout_p, is_causal, scale=scale))
+        except RuntimeError:
+            return -1
+    if q.device.type == "cpu":
+        return SDPA_FLASH
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, dropout_p, is_causal, False)
+    if torch.backends.cuda.can_use_flash_attention(params):
+        return SDPA_FLASH
+    if torch.backends.cuda.can_use_efficient_attention(params):
+        return SDPA_EFFICIENT
+    return -1
+
+
+def sdpa_run(q, k, v, backend: int, dropout_p: float, is_causal: bool, scale):
+    """The fused attention op PyTorch's ``F.scaled_dot_product_attention`` dispatches to for
+    ``backend``: ``(out, logsumexp, extra, max_qk)``, ``extra`` the tensors its backward takes
+    besides (cumulative lengths, RNG seed and offset), ``max_qk`` its ints (or None)."""
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, dropout_p, is_causal, attn_mask=None, scale=scale
+        )
+        return out, lse, (), None
+    if backend == SDPA_CUDNN:
+        res = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, dropout_p, is_causal, False, scale=scale
+        )
+    elif backend == SDPA_FLASH:
+        res = aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p, is_causal, False, scale=scale
+        )
+    elif backend == SDPA_EFFICIENT:
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, dropout_p, is_causal, scale=scale
+        )
+        return out, lse, (seed, offset), None
+    else:
+        raise ValueError(f"mesa_lite SDPAFn: backend {backend} is not supported")
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset = res[:8]
+    return out, lse, (cum_q, cum_k, seed, offset), (max_q, max_k)
+
+
+def sdpa_backward(grad, q, k, v, out, lse, extra, max_qk, cfg: tuple, needs):
+    """The gradients of q, k and v through the backend's own backward op; ``cfg`` is
+    ``(backend, dropout_p, is_causal, scale)`` and ``needs`` the three needs-grad flags."""
+    backend, dropout_p, is_causal, scale = cfg
+    aten = torch.ops.aten
+    if q.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, dropout_p, is_causal, attn_mask=None, scale=scale
+        )
+    if backend == SDPA_EFFICIENT:
+        seed, offset = extra
+        mask = [*needs, False]
+        gq, gk, gv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            grad, q, k, v, None, out, lse, seed, offset, dropout_p, mask, is_causal,
+            scale=scale,
+        )  # fmt: skip
+        return gq, gk, gv
+    cum_q, cum_k, seed, offset = extra
+    max_q, max_k = max_qk
+    if backend == SDPA_CUDNN:
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k,
+            dropout_p, is_causal, scale=scale,
+        )  # fmt: skip
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal,
+        seed, offset, scale=scale,
+    )  # fmt: skip
+
+
+def keep_qkv(q, k, v, spec: QuantSpec, split=None) -> tuple[list, object]:
+    """What attention keeps of q, k and v: ``(packed list, layout)`` for ``rebuild_qkv``.
+
+    q and k are kept at 8 bits whatever the spec's width; v at the spec's. At 8 bits, when q,
+    k and v are views of one tensor that holds just them (timm's qkv output), that tensor is
+    kept instead, once (no gathering copies, one launch), and ``rebuild_qkv`` takes the same
+    views of its rebuild. ``split``: ``(qkv, heads)`` when the caller made them as timm does,
+    ``qkv.reshape(B, N, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)``; otherwise the
+    tensor is found through ``_base`` (not under torch.compile). Else each is kept in its
+    memory order."""
+    if spec.bits == 8 and split is not None:
+        qkv, heads = split
+        return [quant.quantize(qkv, spec)], ("split", (*qkv.shape[:2], heads))
+    base = _joint_base(q, k, v) if spec.bits == 8 else None
+    if base is not None:
+        off = base.storage_offset()
+        views = [(t.shape, t.stride(), t.storage_offset() - off) for t in (q, k, v)]
+        return [quant.quantize(base, spec)], ("views", views)
+    # q and k at 8 bits even when the spec asks for fewer: backward rebuilds the attention
+    # probabilities as exp(q k^T * scale - logsumexp), which exponentiates their error (at 2
+    # bits all four low gave gradients 70 dB worse than q, k at 8)
+    qk_spec = spec if spec.bits == 8 else dataclasses.replace(spec, bits=8, rounding=None)
+    kept = [_keep_in_memory_order(t, s) for t, s in ((q, qk_spec), (k, qk_spec), (v, spec))]
+    return [p for p, _ in kept], ("orders", [order for _, order in kept])
+
+
+def split_qkv(qkv: torch.Tensor, heads: int) -> list[torch.Tensor]:
+    """timm's q, k, v: views of its qkv Linear's (B, N, 3 * heads * head_dim) output."""
+    B, N, _ = qkv.shape
+    return qkv.reshape(B, N, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+
+
+def rebuild_qkv(kept: list, layout) -> list[torch.Tensor]:
+    """q, k and v from ``keep_qkv``'s result, with their forward strides."""
+    how, info = layout
+    if how == "split":
+        return split_qkv(quant.dequantize(kept[0]).view(info[0], info[1], -1), info[2])
+    if how == "views":  # one copy of the tensor q, k and v are views of
+        base = quant.dequantize(kept[0]).reshape(-1)
+        return [base.as_strided(*view) for view in info]
+    return [_restore(p, o) for p, o in zip(kept, info, strict=True)]
+
+
+class SDPAFn(torch.autograd.Function):
+    """``F.scaled_dot_product_attention`` through the fused backend PyTorch picked (CPU flash,
+    CUDA flash, memory-efficient or cuDNN), keeping q, k, v (``keep_qkv``) and the output
+    compressed and the fp32 logsumexp.
+
+    Backward dequantizes them in their forward stride order and calls the backend's own
+    backward op. Attention masks are not taken here (see ``modules.scaled_dot_product_attention``).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, backend: int, dropout_p: float, is_causal: bool, scale, spec):
+        out, lse, extra, ctx.max_qk = sdpa_run(q, k, v, backend, dropout_p, is_causal, scale)
+        out = fresh(out)
+        po, ctx.o_order = _keep_in_memory_order(out, spec)
+        kept, ctx.qkv_layout = keep_qkv(q, k, v, spec)
+        ctx.n_qkv = len(kept)
+        # the output, in memory order, is also the projection's input (timm reshapes it to
+        # (B, N, C), a view when the backend wrote it (B, N, H, D)-contiguous as cuDNN does)
+        quant.share(out, po, memory_order=True)
+        quant.save(ctx, *kept, po, lse, *extra)
+        ctx.cfg = (backend, dropout_p, is_causal, scale)
+        return out
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        saved = quant.load(ctx)
+        n = ctx.n_qkv
+        q, k, v = rebuild_qkv(saved[:n], ctx.qkv_layout)
+        po, lse, *extra = saved[n:]
+        out = _restore(po, ctx.o_order)
+        needs = ctx.needs_input_grad[:3]
+        gq, gk, gv = sdpa_backward(grad, q, k, v, out, lse, extra, ctx.max_qk, ctx.cfg, needs)
+        return gq, gk, gv, None, None, None, None, None
+
+
+def scaled_dot_product_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    spec: QuantSpec | None = None,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` keeping q, k, v and the output compressed.
+
+    Runs the fused backend PyTorch itself picks for these inputs (so the output is
+    bit-identical): CPU flash attention, or CUDA flash, memory-efficient or cuDNN attention.
+    Where PyTorch would pick the math path or an ``attn_mask`` is
+    given, the call runs as plain PyTorch, uncompressed, with a one-time warning.
+    """
+    plain = spec is None or not needs_grad(q, k, v) or plain_under_functorch("attention")
+    dtype = None if plain else autocast_dtype("sdpa", q.device)
+    # right to left, as autocast casts them (its C++ argument expansion): when q, k, v are one
+    # tensor, the order of the casts is the order their gradients are summed in
+    vc, kc, qc = autocast_cast(v, dtype), autocast_cast(k, dtype), autocast_cast(q, dtype)
+    if plain or not (qc.dtype == kc.dtype == vc.dtype):  # mixed dtypes: torch's own error
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+        )
+    q, k, v = qc, kc, vc
+    backend = sdpa_backend(q, k, v, dropout_p, is_causal, scale) if attn_mask is None else -1
+    fused = (SDPA_FLASH,) if q.device.type == "cpu" else (SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN)
+    supported = backend in fused
+    if not supported:
+        why = "an attn_mask" if attn_mask is not None else f"SDPA backend {backend}"
+        warn_once(
+            f"sdpa-{why}-{q.device.type}",
+            f"mesa_lite: attention with {why} on {q.device.type} is not compressed; "
+            "it runs as plain F.scaled_dot_product_attention",
+        )
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+        )
+    return SDPAFn.apply(q, k, v, backend, dropout_p, is_causal, scale, spec)

@@ -1,0 +1,172 @@
+"""What every op's Function and functional form share: autocast's cast target per op and the
+cast itself, the registry lookup that reuses a producer's codes, the first-order guard, and the
+checks that send an op to the plain torch path.
+
+Autocast: the functional forms cast the inputs exactly as autocast itself would cast them for
+each op (``autocast_dtype`` gives the op's cast target, ``autocast_cast`` casts one tensor as
+autocast's ``cached_cast`` does, without its per-region cache of leaf casts), outside the
+Function (so autograd casts the gradients back as autocast's own casts would), and the
+Functions run the same aten op on the cast inputs (autocast, still on, then has nothing left
+to cast). Outside autocast nothing is cast: mixed dtypes reach the aten op as they came, so it
+accepts what torch accepts (an fp32 LayerNorm on bf16 input) and raises torch's own error for
+what torch rejects. Forward outputs are therefore bit-identical to PyTorch's, with and without
+autocast, on any device.
+
+Each Function keeps only what the gradients asked for need (``ctx.needs_input_grad``): a
+frozen Linear whose input needs grad keeps no copy of that input, as in torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from mesa_lite import quant
+from mesa_lite.config import QuantSpec
+
+# ---- the dtype autocast gives an op ---------------------------------------------------------
+
+# op name -> (arity, the op on ``arity`` tensors); each op's file registers its own
+_PROBES: dict[str, tuple[int, object]] = {}
+
+
+def register_probe(op: str, arity: int, fn) -> None:
+    """How ``autocast_dtype`` finds autocast's cast target for ``op``: ``fn`` run on ``arity``
+    1-element tensors under autocast."""
+    _PROBES[op] = (arity, fn)
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+
+def _probe(op: str, device: str, autocast_dtype: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    arity, fn = _PROBES[op]
+    args = [torch.zeros(1, 1, dtype=dtype, device=device) for _ in range(arity)]
+    with torch.no_grad(), torch.autocast(device_type=device, dtype=autocast_dtype):
+        return fn(*args).dtype
+
+
+@functools.cache
+def _autocast_policy(op: str, device: str, autocast_dtype: torch.dtype) -> torch.dtype | None:
+    """Autocast's cast target for ``op``: its dtype for lower-precision ops, fp32 for fp32 ops,
+    None for ops it leaves alone. Found by running the op on 1-element tensors under autocast,
+    so it follows PyTorch's own lists on every device and version."""
+    if _probe(op, device, autocast_dtype, torch.float32) == autocast_dtype:
+        return autocast_dtype
+    if _probe(op, device, autocast_dtype, autocast_dtype) == torch.float32:
+        return torch.float32
+    return None
+
+
+def autocast_dtype(op: str, device: torch.device) -> torch.dtype | None:
+    """The dtype the current autocast state casts ``op``'s floating inputs on ``device`` to, or
+    None when autocast is off there or leaves ``op`` alone."""
+    dev = device.type
+    if dev not in _AUTOCAST_DEVICES or not torch.is_autocast_enabled(dev):
+        return None
+    return _autocast_policy_constant(op, dev, torch.get_autocast_dtype(dev))
+
+
+@torch.compiler.assume_constant_result
+def _autocast_policy_constant(op: str, device: str, autocast_dtype: torch.dtype):
+    # torch.compile calls this once while tracing (no probe ops in the graph)
+    return _autocast_policy(op, device, autocast_dtype)
+
+
+def autocast_cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``t`` cast to ``dtype`` where autocast would cast it (a floating tensor other than fp64;
+    ``dtype`` None: no cast), else ``t`` itself."""
+    if t is None or dtype is None or t.dtype == dtype:
+        return t
+    if not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    return t.to(dtype)
+
+
+def fresh(out: torch.Tensor) -> torch.Tensor:
+    """A Function's output that is a view of a tensor made inside it (``F.linear`` on 3-D input,
+    a folded matmul, an attention backend's transposed output), as a non-view alias of the same
+    memory: autograd forbids in-place ops on views made inside a custom Function, while torch's
+    own ops allow them on their outputs."""
+    if torch.compiler.is_compiling():  # views and in-place ops are the compiler's business
+        return out
+    return out.detach() if out._base is not None else out
+
+
+def keep(
+    x: torch.Tensor, spec: QuantSpec, signed: bool = True, share_key=None, max_steps=None
+) -> quant.Packed:
+    """Reuses the codes a producer registered for ``x`` (or for ``share_key``, the tensor before
+    the autocast cast that made ``x``), else quantizes ``x``.
+
+    ``max_steps``: reuse only codes whose recipe has at most this many steps (a producer that
+    extends the recipe passes ``MAX_RECIPE_STEPS - 1``).
+    """
+    shared = quant.lookup_shared(x, spec, key=share_key)
+    if shared is not None and (max_steps is None or len(shared.recipe) <= max_steps):
+        return shared
+    return quant.quantize(x, spec, signed)
+
+
+def first_order_only(backward):
+    """Backward from compressed copies is not differentiable again: with ``create_graph=True``
+    (double backward) it would silently give wrong second-order gradients, so it raises."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                "mesa_lite: double backward (create_graph=True) through compressed activations "
+                "is not supported; unwrap the model (mesa_lite.unwrap) or disable the layer "
+                "with Config(overrides={name: {'enabled': False}})"
+            )
+        return backward(ctx, *grads)
+
+    return wrapper
+
+
+# ---- when an op runs plain ------------------------------------------------------------------
+
+_WARNED: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=4)
+
+
+def in_functorch_transform() -> bool:
+    """Inside a torch.func transform (grad, vjp, jacrev, vmap, ...); never while torch.compile
+    traces (its own functorch layers are not the user's transforms)."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def plain_under_functorch(name: str) -> bool:
+    """True (after a one-time warning) when a compressed path is asked for inside a torch.func
+    transform: mesa_lite's Functions and kernels are not functorch-aware, so the plain torch
+    op runs there (exact, uncompressed)."""
+    if not in_functorch_transform():
+        return False
+    warn_once(
+        "functorch",
+        f"mesa_lite: {name} runs as plain torch (uncompressed) inside torch.func transforms "
+        "(grad, vjp, jacrev, vmap); its results are exact there",
+    )
+    return True
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """The compressed path applies: grad mode on, some tensor needs grad, and all are floating
+    point (integer or complex inputs run the plain op, so they fail or work exactly as in
+    torch)."""
+    given = [t for t in tensors if t is not None]
+    return (
+        torch.is_grad_enabled()
+        and any(t.requires_grad for t in given)
+        and all(t.is_floating_point() for t in given)
+    )

@@ -1,0 +1,103 @@
+"""Linear: ``F.linear`` keeping its (autocast-cast) input compressed; the weight is kept as the
+Parameter itself."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mesa_lite import quant
+from mesa_lite.config import QuantSpec
+from mesa_lite.ops.common import (
+    autocast_cast,
+    autocast_dtype,
+    first_order_only,
+    fresh,
+    keep,
+    plain_under_functorch,
+    register_probe,
+)
+
+register_probe("linear", 2, lambda a, b: F.linear(a, b))
+
+
+def _folded_col_major(x: torch.Tensor) -> bool:
+    """Whether the 2-D matrix torch's linear multiplies for ``x`` (``x`` itself, or a contiguous
+    ``x`` folded to (-1, in_features)) is column-major, as torch's mm backward tests it."""
+    if x.dim() == 2:
+        s0, s1, rows = x.stride(0), x.stride(1), x.shape[0]
+    elif x.dim() > 2 and x.is_contiguous():
+        s0, s1, rows = x.shape[-1], 1, x.numel() // max(x.shape[-1], 1)
+    else:
+        return False
+    return s0 == 1 and s1 == rows
+
+
+class LinearFn(torch.autograd.Function):
+    """``F.linear`` keeping the compressed input; the weight is kept as the Parameter itself and
+    cast again in backward, so no low-precision copy of it outlives the forward.
+
+    ``dtype``: autocast's cast target for the weight and bias (None: no cast). ``shares``:
+    ``(x0,)``, the input before the autocast cast, whose registered codes (a LayerNorm's or
+    GELU's output) are reused instead of a second copy. The input is kept only when the
+    weight needs grad, the weight only when the input does.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype: torch.dtype | None, spec: QuantSpec, shares=(None,)):
+        out = F.linear(x, autocast_cast(weight, dtype), autocast_cast(bias, dtype))
+        need_x, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[0]
+        px = keep(x, spec, share_key=shares[0]) if need_x else None
+        quant.save(ctx, px, weight if need_w else None)
+        ctx.dtype = dtype
+        ctx.x_dtype = x.dtype
+        ctx.w_dtype = weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        ctx.x_col_major = _folded_col_major(x)
+        return fresh(out)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        px, weight = quant.load(ctx)
+        needs = ctx.needs_input_grad[:3]
+        grads = linear_backward(
+            grad, lambda: quant.dequantize(px, ctx.x_dtype), weight, ctx.dtype,
+            ctx.x_col_major, needs, ctx.w_dtype, ctx.b_dtype,
+        )  # fmt: skip
+        return *grads, None, None, None
+
+
+def linear_backward(grad, rebuild_x, weight, dtype, x_col_major: bool, needs, w_dtype, b_dtype):
+    """``F.linear``'s gradients (input, weight, bias; None where ``needs`` is False), as
+    torch's own backward computes them.
+
+    Args:
+        grad: the output's gradient.
+        rebuild_x: returns the input (called only for the weight's gradient).
+        weight: the weight before its autocast cast to ``dtype`` (None: no cast).
+        x_col_major: ``_folded_col_major`` of the forward input.
+        needs: needs-grad flags of input, weight and bias.
+        w_dtype, b_dtype: the dtypes of weight and bias before any cast (``b_dtype`` None:
+            no bias), which their gradients take.
+    """
+    g2 = grad.reshape(-1, grad.shape[-1])
+    grad_x = grad_w = grad_b = None
+    if needs[0]:
+        w = autocast_cast(weight, dtype)
+        # as torch's mm backward: a column-major input gets its gradient computed transposed
+        gx = (w.t() @ g2.t()).t() if x_col_major else g2 @ w
+        grad_x = gx.reshape(*grad.shape[:-1], w.shape[1])
+    if needs[1]:
+        x = rebuild_x()
+        grad_w = (g2.t() @ x.reshape(-1, x.shape[-1])).to(w_dtype)
+    if b_dtype is not None and needs[2]:
+        grad_b = g2.sum(0).to(b_dtype)
+    return grad_x, grad_w, grad_b
+
+
+def linear(x, weight, bias, spec: QuantSpec) -> torch.Tensor:
+    if plain_under_functorch("Linear"):
+        return F.linear(x, weight, bias)
+    dtype = autocast_dtype("linear", x.device)
+    return LinearFn.apply(autocast_cast(x, dtype), weight, bias, dtype, spec, (x,))

@@ -1,0 +1,97 @@
+"""MatMul: ``a @ b`` keeping both operands compressed."""
+
+from __future__ import annotations
+
+import torch
+
+from mesa_lite import quant
+from mesa_lite.config import QuantSpec
+from mesa_lite.ops.common import (
+    autocast_cast,
+    autocast_dtype,
+    first_order_only,
+    fresh,
+    keep,
+    needs_grad,
+    plain_under_functorch,
+    register_probe,
+)
+
+register_probe("matmul", 2, lambda a, b: torch.matmul(a, b))
+
+
+def _sum_to(g: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    return g if g.shape == shape else g.sum_to_size(shape)
+
+
+def _keep_operand(t: torch.Tensor, t0: torch.Tensor | None, spec: QuantSpec):
+    """A matmul operand to keep: a Parameter (``t0``, before any autocast cast) as itself, as
+    a Linear keeps its weight (it lives anyway; cast again in backward); else compressed."""
+    if isinstance(t0, torch.nn.Parameter):
+        return t0
+    return keep(t, spec, share_key=t0)
+
+
+def _operand(kept, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(kept, quant.Packed):
+        return quant.dequantize(kept, dtype)
+    return kept.to(dtype)
+
+
+class MatMulFn(torch.autograd.Function):
+    """``a @ b`` for operands of 2 or more dims (batch dims broadcast), keeping both compressed
+    (``a`` only when ``b`` needs grad, ``b`` only when ``a`` does; a Parameter as itself).
+
+    ``shares``: a tuple ``(a0, b0)`` of the tensors whose existing codes may be reused (the
+    operands before the autocast cast; see ``quant.lookup_shared``). A tuple, so that autograd
+    does not take them for inputs.
+    """
+
+    @staticmethod
+    def forward(ctx, a, b, spec: QuantSpec, shares=(None, None)):
+        out = torch.matmul(a, b)
+        pa = _keep_operand(a, shares[0], spec) if ctx.needs_input_grad[1] else None
+        pb = _keep_operand(b, shares[1], spec) if ctx.needs_input_grad[0] else None
+        quant.save(ctx, pa, pb)
+        ctx.dtypes = (a.dtype, b.dtype)
+        ctx.shapes = (a.shape, b.shape)
+        return fresh(out)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        pa, pb = quant.load(ctx)
+        a_shape, b_shape = ctx.shapes
+        a_dims, b_dims = len(a_shape), len(b_shape)
+        grad_a = grad_b = None
+        # Mirror torch.matmul's own folding into one mm when one operand is 2-D, so that the
+        # gradients of the exact (debug) mode equal PyTorch's bit for bit.
+        if ctx.needs_input_grad[0]:
+            b = _operand(pb, ctx.dtypes[1])
+            if a_dims == 2 and b_dims >= 3:
+                bt = b.transpose(-2, -1).reshape(-1, b.shape[-2])
+                gt = grad.transpose(-2, -1).reshape(-1, grad.shape[-2])
+                grad_a = (bt.t() @ gt).t()
+            else:
+                grad_a = _sum_to(torch.matmul(grad, b.transpose(-2, -1)), a_shape)
+        if ctx.needs_input_grad[1]:
+            a = _operand(pa, ctx.dtypes[0])
+            if b_dims == 2 and a_dims >= 3:
+                grad_b = a.reshape(-1, a.shape[-1]).t() @ grad.reshape(-1, grad.shape[-1])
+            else:
+                grad_b = _sum_to(torch.matmul(a.transpose(-2, -1), grad), b_shape)
+        return grad_a, grad_b, None, None
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
+    """``torch.matmul(a, b)`` keeping both operands compressed (when they need grad).
+
+    Operands of fewer than 2 dims run the plain op, exact.
+    """
+    if spec is None or a.dim() < 2 or b.dim() < 2 or not needs_grad(a, b):
+        return torch.matmul(a, b)
+    if plain_under_functorch("matmul"):
+        return torch.matmul(a, b)
+    dtype = autocast_dtype("matmul", a.device)
+    bc = autocast_cast(b, dtype)  # b first, as autocast casts (see scaled_dot_product_attention)
+    return MatMulFn.apply(autocast_cast(a, dtype), bc, spec, (a, b))
