@@ -44,17 +44,19 @@ if [[ $what == speed ]]; then
     tests/kernels/test_group_quant.py -k "fused or (float16 and not bfloat16)" \
     > "$OUT/speed_kernel_tests.txt" 2>&1 &
   python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/test_attention.py \
-    tests/test_modules.py tests/test_composition.py tests/models -k cuda \
-    > "$OUT/speed_cuda_tests.txt" 2>&1 &
+    tests/test_modules.py tests/test_composition.py tests/models tests/test_blocks.py \
+    tests/test_compile.py -k "cuda or gpu" > "$OUT/speed_cuda_tests.txt" 2>&1 &
   wait
   tail -n 3 "$OUT"/speed_*tests.txt
+  # eager and compiled rows (block-level Functions on the ViTs; compiled plain as the
+  # compiled rows' baseline)
   python3 benchmarks/deit_memory.py --models deit_tiny_patch16_224 deit_small_patch16_224 \
     deit_base_patch16_224 swin_tiny_patch4_window7_224 convnext_tiny --dtype fp16 \
-    --attention fused --modes amp mesa --no-plot \
-    --out "$OUT/deit_speed_gpu" "$@" 2>&1 | tail -n 12
+    --attention fused --modes amp mesa --compile --no-plot \
+    --out "$OUT/deit_speed_gpu" "$@" 2>&1 | tail -n 17
   python3 benchmarks/profile_step.py --out "$OUT/profile_step_gpu" > /dev/null 2>&1
   grep -E "GPU kernel time|host us per call" "$OUT/profile_step_gpu.txt"
-  python3 benchmarks/overhead.py --dtype fp16 --out "$OUT/overhead_gpu" 2>&1 | tail -n 9
+  python3 benchmarks/overhead.py --dtype fp16 --out "$OUT/overhead_gpu" 2>&1 | tail -n 11
   python3 benchmarks/kernels.py --out "$OUT/kernels_gpu" 2>&1 | tail -n 40
   rm -f "$OUT/gpu.txt" "$OUT/overhead_gpu.jsonl"  # eight files come back
 fi

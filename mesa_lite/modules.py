@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from mesa_lite.config import QuantSpec
-from mesa_lite.ops.attention import scaled_dot_product_attention
+from mesa_lite.ops.attention import scaled_dot_product_attention, sdpa_backends_enabled
 from mesa_lite.ops.common import in_functorch_transform, needs_grad
 from mesa_lite.ops.gelu import gelu
 from mesa_lite.ops.layer_norm import layer_norm
@@ -121,18 +121,22 @@ class FusedBlock:
         return self
 
     def _mesa_block_active(self, x: torch.Tensor) -> bool:
-        """Training with grad on a floating input, outside torch.func transforms, with no
-        global module hooks (they would expect the sub-layers' forwards to run)."""
+        """Training with grad on a non-empty floating input, outside torch.func transforms,
+        with no global module hooks (they would expect the sub-layers' forwards to run)."""
         if not (self.training and torch.is_grad_enabled() and x.is_floating_point()):
+            return False
+        if x.numel() == 0:
             return False
         if any(_GLOBAL_HOOKS) or in_functorch_transform():
             return False
         return True
 
     def _mesa_unfused_attention(self, x: torch.Tensor, remember: bool = False) -> bool:
-        """Whether inputs like ``x`` (shape, dtype, device, autocast) were found unsupported by
-        the fused attention half before; ``remember`` records them."""
-        key = (tuple(x.shape), x.dtype, x.device, torch.is_autocast_enabled(x.device.type))
+        """Whether inputs like ``x`` (shape, dtype, device, autocast, the SDPA backends
+        enabled) were found unsupported by the fused attention half before; ``remember``
+        records them."""
+        key = (tuple(x.shape), x.dtype, x.device, torch.is_autocast_enabled(x.device.type),
+               sdpa_backends_enabled())  # fmt: skip
         keys = self.__dict__.setdefault("_mesa_unfused_keys", set())
         if remember:
             keys.add(key)

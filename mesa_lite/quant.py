@@ -365,8 +365,10 @@ def share(x: torch.Tensor, p: Packed, memory_order: bool = False) -> None:
     the owner of ``x``'s storage dies. In the exact mode the stored tensor itself is held
     weakly, so nothing is kept alive by the registry.
     """
-    if (memory_order and not _dense(x)) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return  # under torch.compile: block-level Functions keep one copy without a registry
+    if x.numel() == 0 or (memory_order and not _dense(x)):
+        return  # an empty tensor has nothing to share
     owner = _owner(x)
     key = id(owner)
     if key not in _SHARED:

@@ -39,8 +39,11 @@ def _batch(name):
     return torch.randn(4, 3, n, n, generator=g), torch.randint(0, 5, (4,), generator=g)
 
 
-@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize(
+    "name, train",
+    [("vit-fused", True), ("vit-explicit", True), ("swin", True), ("vit-fused", False)],
+    ids=["vit-fused-train", "vit-explicit-train", "swin-train", "vit-fused-eval"],
+)
 def test_wrapped_model_compiles_into_one_graph(name, train):
     """torch._dynamo.explain: a wrapped ViT (fused or explicit attention) and Swin trace into
     one graph with no break, training under autocast as in eval."""
@@ -112,6 +115,28 @@ def test_compiled_model_keeps_what_eager_mode_keeps(name):
     assert compiled_kept * (4 if name == "vit-fused" else 1.5) < plain_kept
 
 
+def test_compile_honours_the_sdpa_backends_the_user_enabled():
+    """Under sdpa_kernel(MATH) the compiled wrapped model runs attention as PyTorch does (its
+    math path, plain, with mesa_lite's warning) and equals the compiled plain model."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch._dynamo.reset()
+    plain = tiny_vit(True)
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), mesa_lite.Config(debug_exact=True))
+    compiled = torch.compile(wrapped, backend="aot_eager", fullgraph=True)
+    compiled_plain = torch.compile(plain, backend="aot_eager")
+    x, y = _batch("vit-fused")
+    mesa_lite.ops.common._WARNED.clear()
+    with sdpa_kernel([SDPBackend.MATH]), pytest.warns(UserWarning, match="not compressed"):
+        loss = F.cross_entropy(compiled(x), y)
+        loss_p = F.cross_entropy(compiled_plain(x), y)
+    assert_equal(loss, loss_p)
+    loss.backward()
+    loss_p.backward()
+    for (n, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
+        assert_equal(q.grad, p.grad, n)
+
+
 def test_inductor_cpu_backend_trains_within_the_floor():
     """Inductor's CPU backend (generated C++): one graph, and gradients within the int8 floor
     of eager mode's (Inductor reorders floating-point work, so not bit for bit)."""
@@ -145,3 +170,30 @@ def test_custom_ops_pass_opcheck():
         ("gelu_backward", "none", f32, torch.randn(240), None),
     ):
         torch.library.opcheck(deq, (codes, scales, 16, f32, 8, True, 240, *args))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_vit_on_the_gpu(backend):
+    """On CUDA with fp16 autocast: one graph, the Triton kernels through the custom ops, loss
+    equal to the compiled plain model's within fp16 rounding, gradients within the int8 floor
+    of eager mode's (under compile attention runs flash or memory-efficient attention, where
+    eager mode may run cuDNN's)."""
+    torch._dynamo.reset()
+    plain = tiny_vit(True).cuda()
+    eager = mesa_lite.wrap(copy.deepcopy(plain))
+    compiled_src = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_src, backend=backend, fullgraph=True)
+    compiled_plain = torch.compile(plain, backend=backend)
+    x, y = (t.cuda() for t in _batch("vit-fused"))
+    with torch.autocast("cuda", dtype=torch.float16):
+        explained = torch._dynamo.explain(compiled_src)(x)
+        loss_e = F.cross_entropy(eager(x), y)
+        loss_c = F.cross_entropy(compiled(x), y)
+        loss_p = F.cross_entropy(compiled_plain(x), y)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch.testing.assert_close(loss_c, loss_p, rtol=2e-3, atol=2e-3)
+    loss_e.backward()
+    loss_c.backward()
+    for (n, p), q in zip(eager.named_parameters(), compiled_src.parameters(), strict=True):
+        assert sqnr_db(p.grad, q.grad) >= 30, (n, sqnr_db(p.grad, q.grad))

@@ -29,10 +29,12 @@ try:
     import timm.layers as _tl
     from timm.layers import Attention as _TimmAttention
     from timm.layers import Mlp as _TimmMlp
+    from timm.models.convnext import ConvNeXtBlock as _ConvNeXtBlock
+    from timm.models.swin_transformer import SwinTransformerBlock as _SwinBlock
     from timm.models.vision_transformer import Block as _TimmBlock
 except ImportError:  # pragma: no cover - timm is optional
     _tl = None
-    _TimmAttention = _TimmMlp = _TimmBlock = None
+    _TimmAttention = _TimmMlp = _TimmBlock = _SwinBlock = _ConvNeXtBlock = None
 
 
 def _resolve_mask(n: int, attn: torch.Tensor, attn_mask, is_causal: bool):
@@ -129,9 +131,14 @@ if _TimmAttention is not None:
 
 def block_registrations() -> list[tuple[type, type]]:
     """(timm block type, its FusedBlock class) for ``wrap``'s block pass."""
-    if _TimmBlock is None:
-        return []
-    return [(_TimmBlock, Block)]
+    regs = []
+    if _TimmBlock is not None:
+        regs.append((_TimmBlock, Block))
+    if _SwinBlock is not None:
+        regs.append((_SwinBlock, SwinTransformerBlock))
+    if _ConvNeXtBlock is not None:
+        regs.append((_ConvNeXtBlock, ConvNeXtBlock))
+    return regs
 
 
 def _no_dropout(m) -> bool:
@@ -142,49 +149,76 @@ def _identity(m) -> bool:
     return m is None or type(m) is nn.Identity
 
 
+def _plain_modules(*modules) -> bool:
+    """In training, with no forward or backward hook of their own and no forward set on the
+    instance (debugging or adapter code replacing one layer's forward)."""
+    for m in modules:
+        if not m.training or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
+            return False
+        if m._backward_hooks or m._backward_pre_hooks:
+            return False
+    return True
+
+
+def _mlp_half_spec(norm, mlp):
+    """The spec ``norm`` -> ``mlp`` (a timm Mlp: fc1, GELU, fc2) can run with as one
+    ``blocks.NormMlpFn``, or None: all wrapped with one setting, no dropout, no norm inside
+    the Mlp, no hooks."""
+    if not (isinstance(norm, LayerNorm) and isinstance(mlp, _TimmMlp)):
+        return None
+    if type(mlp).forward is not _TimmMlp.forward or not _identity(mlp.norm):
+        return None
+    if not (isinstance(mlp.fc1, Linear) and isinstance(mlp.fc2, Linear)):
+        return None
+    if not isinstance(mlp.act, GELU) or not (_no_dropout(mlp.drop1) and _no_dropout(mlp.drop2)):
+        return None
+    layers = (norm, mlp.fc1, mlp.act, mlp.fc2)
+    spec = blocks.spec_of(*layers)
+    return spec if spec is not None and _plain_modules(mlp, *layers) else None
+
+
+def _attention_half_spec(norm, at):
+    """The spec ``norm`` -> ``at`` (timm's Attention) can run with as one
+    ``blocks.NormAttentionFn``, or None: all wrapped with one setting, fused attention with no
+    q/k norm, gate or output norm, no dropout, no hooks."""
+    if not (isinstance(norm, LayerNorm) and isinstance(at, Attention)) or not at.fused_attn:
+        return None
+    if not (isinstance(at.qkv, Linear) and isinstance(at.proj, Linear)):
+        return None
+    extras = (at.q_norm, at.k_norm, getattr(at, "norm", None), getattr(at, "gate", None))
+    if not all(_identity(m) for m in extras):
+        return None
+    if not (_no_dropout(at.attn_drop) and _no_dropout(at.proj_drop)):
+        return None
+    layers = (norm, at.qkv, at.proj)
+    spec = blocks.spec_of(at, *layers)
+    return spec if spec is not None and _plain_modules(at, *layers) else None
+
+
+def _norm_cfg(norm, dev) -> tuple:
+    return tuple(norm.normalized_shape), norm.eps, autocast_dtype("layer_norm", dev)
+
+
+def _norm_mlp(norm, mlp, x, spec):
+    """``mlp(norm(x))`` as one ``blocks.NormMlpFn``."""
+    dev = x.device
+    dtype, gelu_dtype = autocast_dtype("linear", dev), autocast_dtype("gelu", dev)
+    cfg = (_norm_cfg(norm, dev), dtype, gelu_dtype, mlp.act.approximate, spec)
+    fc1, fc2 = mlp.fc1, mlp.fc2
+    return blocks.NormMlpFn.apply(
+        x, norm.weight, norm.bias, fc1.weight, fc1.bias, fc2.weight, fc2.bias, cfg
+    )
+
+
 if _TimmBlock is not None:
 
     class Block(FusedBlock, _TimmBlock):
         """timm's vision-transformer ``Block`` running each half as one block-level Function
         (``blocks.NormAttentionFn``, ``blocks.NormMlpFn``) when its sub-layers allow: the
-        LayerNorms, qkv, projection, fc1, GELU and fc2 all wrapped with one setting, fused
-        attention with no mask, q/k norm, gate or attention-output norm, no dropout, no
-        hooks on the sub-layers, training with grad. Otherwise (and in eval) the block runs
-        its own forward through the per-op modules. Layer scale and drop path stay as timm
-        computes them."""
-
-        def _mesa_sublayers(self) -> tuple | None:
-            """(the shared spec, attention, mlp) when the halves can run fused, else None."""
-            at, mlp, n1, n2 = self.attn, self.mlp, self.norm1, self.norm2
-            if not (isinstance(n1, LayerNorm) and isinstance(n2, LayerNorm)):
-                return None
-            if not (isinstance(at, Attention) and isinstance(mlp, _TimmMlp)):
-                return None
-            if type(mlp).forward is not _TimmMlp.forward or not at.fused_attn:
-                return None
-            if not (isinstance(at.qkv, Linear) and isinstance(at.proj, Linear)):
-                return None
-            if not (isinstance(mlp.fc1, Linear) and isinstance(mlp.fc2, Linear)):
-                return None
-            if not isinstance(mlp.act, GELU):
-                return None
-            extras = (at.q_norm, at.k_norm, getattr(at, "norm", None), getattr(at, "gate", None),
-                      mlp.norm)  # fmt: skip
-            if not all(_identity(m) for m in extras):
-                return None
-            drops = (at.attn_drop, at.proj_drop, mlp.drop1, mlp.drop2)
-            if not all(_no_dropout(m) for m in drops):
-                return None
-            layers = (n1, at.qkv, at.proj, n2, mlp.fc1, mlp.act, mlp.fc2)
-            spec = blocks.spec_of(at, *layers)
-            if spec is None:
-                return None
-            for m in (at, mlp, *layers):
-                if not m.training or m._forward_hooks or m._forward_pre_hooks:
-                    return None
-                if m._backward_hooks or m._backward_pre_hooks:
-                    return None
-            return spec, at, mlp
+        LayerNorm and the layers after it wrapped with one setting, fused attention with no
+        mask, q/k norm, gate or attention-output norm, no dropout, no hooks on the sub-layers,
+        training with grad. Otherwise a half runs through the per-op modules, as the block's
+        own forward runs them. Layer scale and drop path stay as timm computes them."""
 
         def _mesa_fused_attention_ok(self, x, at, is_causal: bool, dtype) -> bool:
             """Whether the fused attention half takes inputs like ``x``. Eager mode learns it
@@ -197,36 +231,78 @@ if _TimmBlock is not None:
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
             return blocks.fused_backend_ok(q, k, v, is_causal)
 
-        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            if args or kwargs.get("attn_mask") is not None or not self._mesa_block_active(x):
-                return super().forward(x, *args, **kwargs)
-            found = self._mesa_sublayers()
-            if found is None:
-                return super().forward(x, *args, **kwargs)
-            spec, at, mlp = found
+        def _mesa_attention_half(self, x, kwargs):
+            """``attn(norm1(x))`` as one Function, or None where that half cannot run fused."""
+            n1, at = self.norm1, self.attn
+            spec = _attention_half_spec(n1, at)
+            if spec is None:
+                return None
             is_causal = bool(kwargs.get("is_causal", False))
             dev = x.device
             dtype = autocast_dtype("linear", dev)
-            sdpa_dtype = autocast_dtype("sdpa", dev)
-            n1, n2 = self.norm1, self.norm2
-            norm1 = (tuple(n1.normalized_shape), n1.eps, autocast_dtype("layer_norm", dev))
-            norm2 = (tuple(n2.normalized_shape), n2.eps, norm1[2])
-            y = None
-            if sdpa_dtype == dtype and self._mesa_fused_attention_ok(x, at, is_causal, dtype):
-                cfg = (norm1, dtype, at.num_heads, at.head_dim, is_causal, spec)
-                qkv, proj = at.qkv, at.proj
-                try:
-                    y = blocks.NormAttentionFn.apply(
-                        x, n1.weight, n1.bias, qkv.weight, qkv.bias, proj.weight, proj.bias, cfg
-                    )
-                except blocks.Unsupported:
-                    self._mesa_unfused_attention(x, remember=True)
+            if autocast_dtype("sdpa", dev) != dtype:
+                return None
+            if not self._mesa_fused_attention_ok(x, at, is_causal, dtype):
+                return None
+            cfg = (_norm_cfg(n1, dev), dtype, at.num_heads, at.head_dim, is_causal, spec)
+            qkv, proj = at.qkv, at.proj
+            try:
+                return blocks.NormAttentionFn.apply(
+                    x, n1.weight, n1.bias, qkv.weight, qkv.bias, proj.weight, proj.bias, cfg
+                )
+            except blocks.Unsupported:
+                self._mesa_unfused_attention(x, remember=True)
+                return None
+
+        def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            if args or kwargs.get("attn_mask") is not None or not self._mesa_block_active(x):
+                return super().forward(x, *args, **kwargs)
+            y = self._mesa_attention_half(x, kwargs)
             if y is None:
-                y = at(n1(x), **kwargs)
+                y = self.attn(self.norm1(x), **kwargs)
             x = x + self.drop_path1(self.ls1(y))
-            cfg = (norm2, dtype, autocast_dtype("gelu", dev), mlp.act.approximate, spec)
-            fc1, fc2 = mlp.fc1, mlp.fc2
-            y = blocks.NormMlpFn.apply(
-                x, n2.weight, n2.bias, fc1.weight, fc1.bias, fc2.weight, fc2.bias, cfg
-            )
+            spec = _mlp_half_spec(self.norm2, self.mlp)
+            if spec is None:
+                y = self.mlp(self.norm2(x))
+            else:
+                y = _norm_mlp(self.norm2, self.mlp, x, spec)
             return x + self.drop_path2(self.ls2(y))
+
+
+if _SwinBlock is not None:
+
+    class SwinTransformerBlock(FusedBlock, _SwinBlock):
+        """timm's Swin block with its MLP half (``norm2`` -> ``mlp``) as one
+        ``blocks.NormMlpFn`` when its sub-layers allow (see ``Block``); the windowed
+        attention half runs through the per-op modules."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            spec = _mlp_half_spec(self.norm2, self.mlp) if self._mesa_block_active(x) else None
+            if spec is None:
+                return super().forward(x)
+            B, H, W, C = x.shape
+            x = x + self.drop_path1(self._attn(self.norm1(x)))
+            x = x.reshape(B, -1, C)
+            x = x + self.drop_path2(_norm_mlp(self.norm2, self.mlp, x, spec))
+            return x.reshape(B, H, W, C)
+
+
+if _ConvNeXtBlock is not None:
+
+    class ConvNeXtBlock(FusedBlock, _ConvNeXtBlock):
+        """timm's ConvNeXt block with ``norm`` -> ``mlp`` (channels last) as one
+        ``blocks.NormMlpFn`` when its sub-layers allow (see ``Block``; not with
+        ``conv_mlp``); the depthwise convolution runs as in PyTorch."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            spec = None
+            if not self.use_conv_mlp and self._mesa_block_active(x):
+                spec = _mlp_half_spec(self.norm, self.mlp)
+            if spec is None:
+                return super().forward(x)
+            shortcut = x
+            x = self.conv_dw(x)
+            x = _norm_mlp(self.norm, self.mlp, x.permute(0, 2, 3, 1), spec).permute(0, 3, 1, 2)
+            if self.gamma is not None:
+                x = x.mul(self.gamma.reshape(1, -1, 1, 1))
+            return self.drop_path(x) + self.shortcut(shortcut)

@@ -58,21 +58,29 @@ def sdpa_backend(q, k, v, dropout_p: float, is_causal: bool, scale) -> int:
     mask), -1 for its math path or an error.
 
     Under torch.compile, where ``_fused_sdp_choice`` cannot be traced, from the checks Dynamo
-    folds into constants: flash attention on the CPU; on CUDA flash attention, else the
-    memory-efficient kernel (eager mode may pick cuDNN where both are possible)."""
+    folds into constants, which honour the backends the user enabled (``sdpa_kernel``): flash
+    attention on the CPU; on CUDA flash attention, else the memory-efficient kernel (eager
+    mode may pick cuDNN where both are possible)."""
     if not torch.compiler.is_compiling():
         try:
             return int(torch._fused_sdp_choice(q, k, v, None, dropout_p, is_causal, scale=scale))
         except RuntimeError:
             return -1
     if q.device.type == "cpu":
-        return SDPA_FLASH
+        return SDPA_FLASH if torch._C._get_flash_sdp_enabled() else -1
     params = torch.backends.cuda.SDPAParams(q, k, v, None, dropout_p, is_causal, False)
     if torch.backends.cuda.can_use_flash_attention(params):
         return SDPA_FLASH
     if torch.backends.cuda.can_use_efficient_attention(params):
         return SDPA_EFFICIENT
     return -1
+
+
+def sdpa_backends_enabled() -> tuple[bool, bool, bool, bool]:
+    """Which SDPA backends the user left enabled (flash, memory-efficient, cuDNN, math)."""
+    C = torch._C
+    return (C._get_flash_sdp_enabled(), C._get_mem_efficient_sdp_enabled(),
+            C._get_cudnn_sdp_enabled(), C._get_math_sdp_enabled())  # fmt: skip
 
 
 def sdpa_run(q, k, v, backend: int, dropout_p: float, is_causal: bool, scale):
@@ -162,8 +170,8 @@ def keep_qkv(q, k, v, spec: QuantSpec, split=None) -> tuple[list, object]:
 
 def split_qkv(qkv: torch.Tensor, heads: int) -> list[torch.Tensor]:
     """timm's q, k, v: views of its qkv Linear's (B, N, 3 * heads * head_dim) output."""
-    B, N, _ = qkv.shape
-    return qkv.reshape(B, N, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    B, N, C3 = qkv.shape
+    return qkv.reshape(B, N, 3, heads, C3 // (3 * heads)).permute(2, 0, 3, 1, 4).unbind(0)
 
 
 def rebuild_qkv(kept: list, layout) -> list[torch.Tensor]:

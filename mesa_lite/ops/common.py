@@ -133,9 +133,20 @@ _WARNED: set[str] = set()
 
 
 def warn_once(key: str, message: str) -> None:
-    if key not in _WARNED:
+    if torch.compiler.is_compiling():
+        _warn_while_tracing(key, message)
+    elif key not in _WARNED:
         _WARNED.add(key)
         warnings.warn(message, stacklevel=4)
+
+
+@torch.compiler.assume_constant_result
+def _warn_while_tracing(key: str, message: str) -> bool:
+    # torch.compile runs this once while tracing (Dynamo cannot trace warnings.warn)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, stacklevel=2)
+    return True
 
 
 def in_functorch_transform() -> bool:
