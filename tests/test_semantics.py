@@ -492,3 +492,25 @@ def test_weight_reused_under_autocast_is_the_stated_exception():
     assert_equal(outs[1], outs[0], "forward")
     assert not torch.equal(wfc.weight.grad, fc.weight.grad), "exact now: update RELIABILITY.md"
     assert sqnr_db(fc.weight.grad, wfc.weight.grad) >= 45
+
+
+def test_in_place_write_to_a_compressed_input_after_forward_uses_the_forward_values():
+    """A compressed layer keeps codes, not its input: writing to the input in place after the
+    forward does not raise autograd's version error (plain PyTorch and debug_exact do), and
+    backward uses the values the forward saw (RELIABILITY.md)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 8)
+    x0 = torch.randn(4, 16)
+    for config, raises in ((mesa_lite.Config(debug_exact=True), True), (mesa_lite.Config(), False)):
+        model = mesa_lite.wrap(copy.deepcopy(lin), config).train()
+        x = x0.clone().requires_grad_()
+        h = x * 1  # a non-leaf the layer keeps
+        out = model(h)
+        h.mul_(2)
+        if raises:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.sum().backward()
+            continue
+        out.sum().backward()
+        expected = torch.ones(4, 8).t() @ x0  # from the forward-time input
+        assert sqnr_db(expected, model.weight.grad) > 40
