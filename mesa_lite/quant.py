@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import weakref
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 
@@ -260,7 +261,8 @@ def _dequantize(codes, scales, group_size: int, dtype, bits: int, signed: bool, 
     )  # fmt: skip
 
 
-# Under torch.compile the two kernels are custom ops: Dynamo records them as single calls
+# Under torch.compile the two kernels are custom ops (their annotations use typing.Optional,
+# which every torch version's schema inference reads): Dynamo records them as single calls
 # (it cannot trace the launcher or the reference's data-dependent steps usefully), and the
 # graph keeps their outputs, the codes, for backward. Eager mode calls the kernels directly:
 # a custom op's dispatch would cost host time on every call.
@@ -273,8 +275,8 @@ def _quantize_op(
     signed: bool,
     stochastic: bool,
     bits: int,
-    mean: torch.Tensor | None,
-    rstd: torch.Tensor | None,
+    mean: Optional[torch.Tensor],  # noqa: UP045
+    rstd: Optional[torch.Tensor],  # noqa: UP045
 ) -> tuple[torch.Tensor, torch.Tensor]:
     normalize = None if mean is None else (mean, rstd)
     return _quantize(x, group_size, signed, stochastic, bits, normalize)
@@ -300,8 +302,8 @@ def _dequantize_op(
     epilogue: str,
     approximate: str,
     mid: torch.dtype,
-    t1: torch.Tensor | None,
-    t2: torch.Tensor | None,
+    t1: Optional[torch.Tensor],  # noqa: UP045
+    t2: Optional[torch.Tensor],  # noqa: UP045
 ) -> torch.Tensor:
     if epilogue == "none":
         epi = None
