@@ -27,11 +27,9 @@ import torch.nn.functional as F
 from mesa_lite import quant
 from mesa_lite.config import QuantSpec
 from mesa_lite.ops.attention import (
-    SDPA_CUDNN,
-    SDPA_EFFICIENT,
-    SDPA_FLASH,
     _keep_in_memory_order,
     _restore,
+    fused_backends,
     keep_qkv,
     rebuild_qkv,
     sdpa_backend,
@@ -132,11 +130,9 @@ class NormAttentionFn(torch.autograd.Function):
         p_ln, mean, rstd = _keep_norm(xc, mean, rstd, spec, n[0] or n[1] or n[3])
         ctx.x_meta = (x.shape, x.dtype, xc.dtype)
         kept, ctx.qkv_layout = keep_qkv(q, k, v, spec, (qkv, heads)) if need_qkv else ([], None)
+        po = None  # the output: attention's backward and the projection's weight gradient
         if need_qkv or n[5]:
             po, ctx.o_order = _keep_in_memory_order(out, spec)
-        else:
-            po = lse = None
-            extra = ()
         if not need_qkv:
             lse, extra = None, ()
         ctx.n_qkv = len(kept)
@@ -245,19 +241,15 @@ class NormMlpFn(torch.autograd.Function):
         return gx, g_lw, g_lb, g_w1, g_b1, g_w2, g_b2, None
 
 
-def _fused_backends(device: torch.device) -> tuple[int, ...]:
-    return (SDPA_FLASH,) if device.type == "cpu" else (SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN)
-
-
 def fused_backend_ok(q, k, v, is_causal: bool) -> bool:
     """Whether PyTorch runs attention on these inputs through a fused backend this path takes."""
-    return sdpa_backend(q, k, v, 0.0, is_causal, None) in _fused_backends(q.device)
+    return sdpa_backend(q, k, v, 0.0, is_causal, None) in fused_backends(q.device)
 
 
 def _sdpa_choice(q, k, v, is_causal: bool) -> int:
     """The fused backend PyTorch picks for these inputs; ``Unsupported`` for the others."""
     backend = sdpa_backend(q, k, v, 0.0, is_causal, None)
-    if backend not in _fused_backends(q.device):
+    if backend not in fused_backends(q.device):
         raise Unsupported(f"attention on SDPA backend {backend}")
     return backend
 

@@ -76,6 +76,11 @@ def sdpa_backend(q, k, v, dropout_p: float, is_causal: bool, scale) -> int:
     return -1
 
 
+def fused_backends(device: torch.device) -> tuple[int, ...]:
+    """The SDPA backends whose ops ``sdpa_run`` and ``sdpa_backward`` call on ``device``."""
+    return (SDPA_FLASH,) if device.type == "cpu" else (SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN)
+
+
 def sdpa_backends_enabled() -> tuple[bool, bool, bool, bool]:
     """Which SDPA backends the user left enabled (flash, memory-efficient, cuDNN, math)."""
     C = torch._C
@@ -249,9 +254,7 @@ def scaled_dot_product_attention(
         )
     q, k, v = qc, kc, vc
     backend = sdpa_backend(q, k, v, dropout_p, is_causal, scale) if attn_mask is None else -1
-    fused = (SDPA_FLASH,) if q.device.type == "cpu" else (SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN)
-    supported = backend in fused
-    if not supported:
+    if backend not in fused_backends(q.device):
         why = "an attn_mask" if attn_mask is not None else f"SDPA backend {backend}"
         warn_once(
             f"sdpa-{why}-{q.device.type}",
