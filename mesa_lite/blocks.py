@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from mesa_lite import quant
 from mesa_lite.config import QuantSpec
+from mesa_lite.ops.activation import activation_grad, autocast_state, run_activation
 from mesa_lite.ops.attention import (
     _keep_in_memory_order,
     _restore,
@@ -37,12 +38,12 @@ from mesa_lite.ops.attention import (
     sdpa_run,
     split_qkv,
 )
-from mesa_lite.ops.common import autocast_cast, first_order_only, fresh
+from mesa_lite.ops.common import autocast_cast, first_order_only, fresh, keep
 from mesa_lite.ops.gelu import gelu_input_grad
 from mesa_lite.ops.layer_norm import keep_normalized, layer_norm_backward
 from mesa_lite.ops.linear import _folded_col_major, linear_backward
 
-__all__ = ["NormAttentionFn", "NormMlpFn", "Unsupported"]
+__all__ = ["NormAttentionFn", "NormMlpFn", "GatedMlpFn", "Unsupported"]
 
 
 class Unsupported(Exception):
@@ -239,6 +240,89 @@ class NormMlpFn(torch.autograd.Function):
                 ctx, g_a, w1, b1_dtype, p_ln, mean, rstd, ln_w, ln_b
             )
         return gx, g_lw, g_lb, g_w1, g_b1, g_w2, g_b2, None
+
+
+class GatedMlpFn(torch.autograd.Function):
+    """``down(act(gate(x)) * up(x))``, the gated MLP of Llama, Mistral, Qwen2 and their kin.
+
+    Inputs: ``x``, the gate, up and down projections' weights and biases (biases may be None),
+    and ``cfg``: ``(linear_dtype, fn, grad_fn, spec)``: autocast's cast target for the
+    projections (None: no cast), the activation's formula and its direct backward (None:
+    autograd on the formula; see ``ops/activation.py``).
+
+    Keeps ``x`` once (or the codes its producer registered: an RMSNorm's), and the gate and up
+    projections' outputs compressed; backward rebuilds the activation, the product (the down
+    projection's input) and their gradients from those two. The per-op path keeps the
+    activation's output and the product besides, each in full or compressed.
+    """
+
+    @staticmethod
+    def forward(ctx, x, gw, gb, uw, ub, dw, db, cfg):
+        dtype, fn, _, spec = cfg
+        state = autocast_state(x.device)
+        xc = autocast_cast(x, dtype)
+        g = F.linear(xc, autocast_cast(gw, dtype), autocast_cast(gb, dtype))
+        a = fn(g)
+        u = F.linear(xc, autocast_cast(uw, dtype), autocast_cast(ub, dtype))
+        prod = a * u
+        prodc = autocast_cast(prod, dtype)
+        y = F.linear(prodc, autocast_cast(dw, dtype), autocast_cast(db, dtype))
+
+        n = ctx.needs_input_grad
+        need_gu = any(n[:7])
+        px = keep(xc, spec, share_key=x) if n[1] or n[3] else None
+        pg = quant.quantize(g, spec) if need_gu else None
+        pu = quant.quantize(u, spec) if need_gu else None
+        quant.save(ctx, px, pg, pu, gw, uw, dw)
+        ctx.cfg, ctx.state = cfg, state
+        ctx.dtypes = (x.dtype, xc.dtype, g.dtype, a.dtype, u.dtype, prod.dtype, prodc.dtype)
+        ctx.bias_dtypes = (_dtypes(gb), _dtypes(ub), _dtypes(db))
+        ctx.col_major = (_folded_col_major(xc), _folded_col_major(prodc))
+        return fresh(y)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        px, pg, pu, gw, uw, dw = quant.load(ctx)
+        dtype, fn, grad_fn, _ = ctx.cfg
+        x_dtype, xc_dtype, g_dtype, a_dtype, u_dtype, prod_dtype, prodc_dtype = ctx.dtypes
+        gb_dtype, ub_dtype, db_dtype = ctx.bias_dtypes
+        n = ctx.needs_input_grad
+        need_gu = n[0] or n[1] or n[2] or n[3] or n[4]
+        g = quant.dequantize(pg, g_dtype)
+        u = quant.dequantize(pu, u_dtype)
+        a = run_activation(fn, g, ctx.state)
+
+        def rebuild_prodc():
+            return autocast_cast(a * u, dtype)
+
+        g_prodc, g_dw, g_db = linear_backward(
+            grad, rebuild_prodc, dw, dtype, ctx.col_major[1], (need_gu, n[5], n[6]),
+            dw.dtype, db_dtype,
+        )  # fmt: skip
+        gx = g_gw = g_gb = g_uw = g_ub = None
+        if need_gu:
+            g_prod = g_prodc.to(prod_dtype)
+            g_a = (g_prod * u).to(a_dtype)
+            g_u = (g_prod * a).to(u_dtype)
+            g_g = activation_grad(fn, grad_fn, ctx.state, g, g_a).to(g_dtype)
+            xs = []
+
+            def rebuild_x():
+                if not xs:
+                    xs.append(quant.dequantize(px, xc_dtype))
+                return xs[0]
+
+            col = ctx.col_major[0]
+            g_xg, g_gw, g_gb = linear_backward(
+                g_g, rebuild_x, gw, dtype, col, (n[0], n[1], n[2]), gw.dtype, gb_dtype
+            )
+            g_xu, g_uw, g_ub = linear_backward(
+                g_u, rebuild_x, uw, dtype, col, (n[0], n[3], n[4]), uw.dtype, ub_dtype
+            )
+            if n[0]:
+                gx = g_xg.to(x_dtype) + g_xu.to(x_dtype)
+        return gx, g_gw, g_gb, g_uw, g_ub, g_dw, g_db, None
 
 
 def fused_backend_ok(q, k, v, is_causal: bool) -> bool:

@@ -11,7 +11,10 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-LAYER_KINDS: tuple[str, ...] = ("linear", "gelu", "softmax", "layernorm", "matmul", "attention")
+LAYER_KINDS: tuple[str, ...] = (
+    "linear", "gelu", "softmax", "layernorm", "matmul", "attention",
+    "silu", "rmsnorm", "dropout", "loss",
+)  # fmt: skip
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 SUPPORTED_BITS: tuple[int, ...] = (8, 4, 2)
 _OVERRIDE_FIELDS = ("bits", "group_size", "rounding", "enabled")

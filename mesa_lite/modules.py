@@ -15,12 +15,15 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from mesa_lite.config import QuantSpec
+from mesa_lite.ops.activation import activation, silu_grad
 from mesa_lite.ops.attention import scaled_dot_product_attention, sdpa_backends_enabled
 from mesa_lite.ops.common import in_functorch_transform, needs_grad
+from mesa_lite.ops.dropout import dropout
 from mesa_lite.ops.gelu import gelu
 from mesa_lite.ops.layer_norm import layer_norm
 from mesa_lite.ops.linear import linear
 from mesa_lite.ops.matmul import matmul
+from mesa_lite.ops.rms_norm import rms_norm
 from mesa_lite.ops.softmax import softmax
 
 __all__ = [
@@ -31,6 +34,10 @@ __all__ = [
     "Softmax",
     "LayerNorm",
     "MatMul",
+    "Activation",
+    "SiLU",
+    "Dropout",
+    "RMSNorm",
     "matmul",
     "softmax",
     "scaled_dot_product_attention",
@@ -287,3 +294,67 @@ class MatMul(MesaModule, nn.Module):
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return matmul(a, b, self.mesa_spec if self.training else None)
+
+
+class Activation(MesaModule, nn.Module):
+    """An elementwise activation module (``nn.SiLU``, Hugging Face's GELU variants) keeping its
+    input compressed: its own forward computes the output (bit for bit), backward
+    differentiates that forward at the rebuilt input (``ops/activation.py``). Only for
+    modules whose forward is elementwise on one tensor; ``register`` them with this class."""
+
+    mesa_kind = "gelu"
+
+    def mesa_formula(self):
+        """``(fn, grad_fn)``: the module's own forward as a function of one tensor, and
+        ``(grad, x) -> input grad`` where a direct backward op exists (else None)."""
+        return super().forward, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._mesa_active(x) or getattr(self, "inplace", False):
+            return super().forward(x)
+        fn, grad_fn = self.mesa_formula()
+        return activation(x, fn, self.mesa_spec, grad_fn, type(self).__name__)
+
+
+class SiLU(Activation):
+    """SiLU modules (``nn.SiLU``, Hugging Face's ``SiLUActivation``): ``F.silu`` forward and
+    its own backward op."""
+
+    mesa_kind = "silu"
+
+    def mesa_formula(self):
+        return F.silu, silu_grad
+
+
+class Dropout(MesaModule, nn.Dropout):
+    """``nn.Dropout`` keeping its mask as 1 bit per element (the same draws as PyTorch's)."""
+
+    mesa_kind = "dropout"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mesa_spec is None:
+            return super().forward(x)
+        return dropout(x, self.p, self.training, self.inplace)
+
+
+class RMSNorm(MesaModule, nn.Module):
+    """An RMSNorm keeping its normalized input compressed plus fp32 rstd: ``torch.nn.RMSNorm``
+    (``F.rms_norm``) and the Hugging Face form (``LlamaRMSNorm`` and its copies: weight
+    ``weight``, epsilon ``variance_epsilon`` or ``eps``; see ``ops/rms_norm.py``)."""
+
+    mesa_kind = "rmsnorm"
+
+    def _mesa_rms_cfg(self):
+        if isinstance(self, nn.RMSNorm):
+            return "torch", self.eps, len(self.normalized_shape)
+        eps = getattr(self, "variance_epsilon", getattr(self, "eps", None))
+        return "hf", eps, 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        # exact (debug) mode: the module's own forward, as its formula's gradient sums meet
+        # the residual stream's in an order only the formula's own graph reproduces
+        if not self._mesa_active(x, weight) or self.mesa_spec.exact:
+            return super().forward(x)
+        form, eps, dims = self._mesa_rms_cfg()
+        return rms_norm(x, weight, eps, form, dims, self.mesa_spec)

@@ -27,12 +27,16 @@ import torch.nn as nn
 
 from mesa_lite.config import LAYER_KINDS, Config, QuantSpec
 from mesa_lite.integrations import timm as _timm
+from mesa_lite.integrations import transformers as _transformers
 from mesa_lite.modules import (
     GELU,
+    Dropout,
     FusedBlock,
     LayerNorm,
     Linear,
     MesaModule,
+    RMSNorm,
+    SiLU,
     Softmax,
     base_type,
     converted_class,
@@ -49,6 +53,8 @@ class _Entry:
     kind: str
     accepts: Callable[[nn.Module], bool] | None = None
     reason: str | None = None
+    # False: the module is left alone and not counted (a Dropout with p == 0 does nothing)
+    applies: Callable[[nn.Module], bool] | None = None
 
 
 # By type; a subclass of a registered type is converted when it keeps that type's forward
@@ -58,7 +64,11 @@ _REGISTRY: dict[type, _Entry] = {
     nn.GELU: _Entry(GELU, "gelu"),
     nn.Softmax: _Entry(Softmax, "softmax"),
     nn.LayerNorm: _Entry(LayerNorm, "layernorm"),
+    nn.SiLU: _Entry(SiLU, "silu"),
+    nn.Dropout: _Entry(Dropout, "dropout", applies=lambda m: 0 < m.p < 1),
 }
+if hasattr(nn, "RMSNorm"):
+    _REGISTRY[nn.RMSNorm] = _Entry(RMSNorm, "rmsnorm")
 
 
 # Subclasses that keep their base's forward but whose owner never calls it: converting them would
@@ -95,12 +105,29 @@ def register(
     _REGISTRY[orig_type] = _Entry(mesa_cls, kind, accepts, reason)
 
 
-for _args in _timm.registrations():
+for _args in (*_timm.registrations(), *_transformers.registrations()):
     register(*_args)
+
+# Types known by structure rather than by name (transformers' RMSNorm and attention classes):
+# (matches(module), mesa_lite class, kind, accepts or None, why accepts rejects)
+_STRUCTURAL: list[tuple] = list(_transformers.structural())
 
 # Block types whose halves may run as block-level Functions when their layers are wrapped
 # alike (``modules.FusedBlock``); exactly these types (a subclass may compute otherwise)
 _BLOCKS: dict[type, type] = dict(_timm.block_registrations())
+# and blocks recognised by structure: module -> FusedBlock class or None
+_BLOCK_MATCHERS: list[Callable] = list(_transformers.block_matchers())
+
+
+def _fused_class(module: nn.Module) -> type | None:
+    fused = _BLOCKS.get(base_type(module))
+    if fused is not None:
+        return fused
+    for match in _BLOCK_MATCHERS:
+        fused = match(module)
+        if fused is not None:
+            return fused
+    return None
 
 
 def _fuse_blocks(model: nn.Module) -> None:
@@ -109,8 +136,10 @@ def _fuse_blocks(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FusedBlock):
             module.unfuse()
-        fused = _BLOCKS.get(base_type(module))
-        if fused is not None and any(isinstance(m, MesaModule) for m in module.modules()):
+        if not any(isinstance(m, MesaModule) for m in module.modules()):
+            continue
+        fused = _fused_class(module)
+        if fused is not None:
             fused.fuse(module)
 
 
@@ -145,12 +174,16 @@ class _Plan:
     skip: str | None = None  # set: skipped for this reason (the user did not ask for it)
 
 
-def _lookup(cls: type) -> tuple[type, _Entry] | None:
-    """The nearest registered class in ``cls``'s MRO and its entry."""
+def _lookup(cls: type, module: nn.Module) -> tuple[type, _Entry] | None:
+    """The nearest registered class in ``cls``'s MRO and its entry, or for a module known by
+    structure, its own class and an entry."""
     for k in cls.__mro__:
         entry = _REGISTRY.get(k)
         if entry is not None:
             return k, entry
+    for matches, mesa_cls, kind, accepts, reason in _STRUCTURAL:
+        if matches(module):
+            return cls, _Entry(mesa_cls, kind, accepts, reason)
     return None
 
 
@@ -162,10 +195,12 @@ def _plan(
 ) -> _Plan | None:
     """None for a module wrap has nothing to do with; else convert, exact by config, or skip."""
     cls = base_type(module)
-    found = _lookup(cls)
+    found = _lookup(cls, module)
     if found is None:
         return None
     registered, entry = found
+    if entry.applies is not None and not entry.applies(module):
+        return None
     spec = config.spec_for(name, entry.kind)
     if spec is None or (filter_fn is not None and not filter_fn(name, module)):
         return _Plan(entry.kind)  # left exact by config
@@ -280,6 +315,10 @@ def wrap(
             stacklevel=2,
         )
     _fuse_blocks(model)
+    losses = _transformers.after_wrap(model, config)
+    if losses:
+        converted["loss"] += losses
+        specs[config.spec_for("", "loss").describe()] += losses
     line = _summary(
         type(model).__name__, converted, specs, exact, skipped, built, (before, changed, back)
     )
@@ -352,4 +391,5 @@ def unwrap(model: nn.Module) -> nn.Module:
             module.to_original()
         if isinstance(module, FusedBlock):
             module.unfuse()
+    _transformers.after_unwrap(model)
     return model

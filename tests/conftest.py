@@ -83,3 +83,19 @@ def device(request):
 def triton_device():
     """Where Triton kernels run: compiled on the GPU, else in the interpreter on CPU tensors."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class HFStyleRMSNorm(torch.nn.Module):
+    """The Hugging Face RMSNorm formula (``LlamaRMSNorm``: an fp32 upcast, the cast back, an
+    fp32 weight), which ``wrap`` recognises by structure; a non-trivial weight."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.3 * torch.randn(n))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)

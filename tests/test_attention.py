@@ -37,11 +37,16 @@ def _run(fn, q, k, v, device, autocast, **kw):
 @pytest.mark.parametrize("autocast", AUTOCAST, ids=str)
 @pytest.mark.parametrize("exact", [True, False], ids=["debug_exact", "int8"])
 def test_sdpa_forward_exact_and_grads(exact, autocast, causal, device):
-    ac = AUTOCAST[autocast]
+    _compare_with_torch(exact, AUTOCAST[autocast], device, is_causal=causal)
+
+
+def _compare_with_torch(exact, ac, device, **kw):
+    """mesa_lite's SDPA against PyTorch's on the same q, k, v: the compressed Function runs,
+    forward bit-exact, gradients exact in debug_exact and above the 8-bit floor otherwise."""
     (q1, k1, v1), _ = _qkv(device, strided=False)
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q1, k1, v1))
-    ref = _run(F.scaled_dot_product_attention, q1, k1, v1, device, ac, is_causal=causal)
-    out = _run(mesa_sdpa, q2, k2, v2, device, ac, is_causal=causal, spec=QuantSpec(exact=exact))
+    ref = _run(F.scaled_dot_product_attention, q1, k1, v1, device, ac, **kw)
+    out = _run(mesa_sdpa, q2, k2, v2, device, ac, spec=QuantSpec(exact=exact), **kw)
     assert type(out.grad_fn).__name__ == "SDPAFnBackward", "the compressed Function must run"
     assert_equal(out, ref, "forward")
     g = torch.randn_like(ref)
@@ -81,14 +86,75 @@ def test_sdpa_restores_forward_stride_order():
     assert sqnr_db(x, y) > 35
 
 
-def test_sdpa_with_mask_runs_plain_and_warns(device):
+def _masks(device):
+    """Masks as models pass them: a 2-D boolean, a (B, 1, N, N) boolean padding + causal mask
+    (Hugging Face's sdpa mask), and an additive float mask (B, 1, N, N)."""
+    g = torch.Generator().manual_seed(1)
+    n = 50
+    square = (torch.rand(n, n, generator=g) > 0.3).to(device)
+    square.fill_diagonal_(True)  # every row attends somewhere
+    pad = torch.ones(2, n, dtype=torch.bool)
+    pad[1, 40:] = False  # the second sequence is padded
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    padded = (causal[None, None] & pad[:, None, None, :]).to(device)
+    additive = torch.zeros(2, 1, n, n).masked_fill(~padded.cpu(), float("-inf")).to(device)
+    return {"bool2d": square, "padding4d": padded, "additive": additive}
+
+
+@pytest.mark.parametrize("mask_kind", ["bool2d", "padding4d", "additive"])
+@pytest.mark.parametrize("autocast", ["fp32", "bf16"], ids=str)
+@pytest.mark.parametrize("exact", [True, False], ids=["debug_exact", "int8"])
+def test_sdpa_with_a_mask_is_compressed(exact, autocast, mask_kind, device):
+    """Masked attention runs the fused backend PyTorch picks with the mask (CPU flash, CUDA
+    memory-efficient), forward bit-exact, gradients exact in debug_exact, SQNR floor at int8;
+    the mask is kept by reference, not copied."""
+    _compare_with_torch(exact, AUTOCAST[autocast], device, attn_mask=_masks(device)[mask_kind])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("exact", [True, False], ids=["debug_exact", "int8"])
+def test_sdpa_grouped_query_attention(exact, causal, device):
+    """k, v with fewer heads than q (``enable_gqa``, as Llama's sdpa attention calls it): the
+    fused backend takes them as they are; k and v keep their own (smaller) size."""
+    g = torch.Generator().manual_seed(2)
+    q1 = torch.randn(2, 8, 40, 16, generator=g).to(device).requires_grad_()
+    k1, v1 = (torch.randn(2, 2, 40, 16, generator=g).to(device).requires_grad_() for _ in "kv")
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q1, k1, v1))
+    ref = F.scaled_dot_product_attention(q1, k1, v1, is_causal=causal, enable_gqa=True)
+    kept, out = saved_activation_bytes(
+        lambda: mesa_sdpa(
+            q2, k2, v2, is_causal=causal, enable_gqa=True, spec=QuantSpec(exact=exact)
+        )
+    )
+    if mesa_lite.ops.attention.sdpa_backend(q2, k2, v2, 0.0, causal, None, None, True) < 1:
+        pytest.skip("PyTorch runs grouped-query attention on its math path here")
+    assert type(out.grad_fn).__name__ == "SDPAFnBackward"
+    assert_equal(out, ref, "GQA forward")
+    if not exact:  # q and out: 2 x 2*8*40*16 codes, k and v 2 x 2*2*40*16, plus scales
+        assert kept < 2 * (2 * 8 * 40 * 16 + 2 * 2 * 40 * 16) * 1.2, kept
+    gr = torch.randn_like(ref)
+    ref.backward(gr)
+    out.backward(gr)
+    for what, a, b in (("q", q1, q2), ("k", k1, k2), ("v", v1, v2)):
+        assert b.grad.shape == a.grad.shape
+        if exact:
+            assert_equal(b.grad, a.grad, f"grad of {what}")
+        else:
+            assert sqnr_db(a.grad, b.grad) >= FLOORS[8], what
+
+
+def test_sdpa_with_a_mask_that_needs_grad_runs_plain_and_warns(device):
+    """A learned additive bias needs its own gradient, which the compressed path does not
+    give: plain SDPA, exact, with a warning."""
     (q, k, v), _ = _qkv(device, strided=False)
-    mask = torch.rand(50, 50, device=device) > 0.3
+    bias = torch.zeros(50, 50, device=device, requires_grad=True)
     mesa_lite.ops.common._WARNED.clear()
-    with pytest.warns(UserWarning, match="attn_mask.*not compressed"):
-        out = mesa_sdpa(q, k, v, attn_mask=mask, spec=QuantSpec())
-    assert_equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), "masked forward")
+    with pytest.warns(UserWarning, match="mask that needs grad.*not compressed"):
+        out = mesa_sdpa(q, k, v, attn_mask=bias, spec=QuantSpec())
+    assert_equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias), "forward")
     assert "SDPAFn" not in type(out.grad_fn).__name__
+    out.sum().backward()
+    assert bias.grad is not None
 
 
 def test_sdpa_math_backend_runs_plain(device):

@@ -15,7 +15,7 @@ import itertools
 import pytest
 import torch
 import torch.nn as nn
-from conftest import DEVICES, assert_equal, sqnr_db
+from conftest import DEVICES, HFStyleRMSNorm, assert_equal, sqnr_db
 
 import mesa_lite
 from mesa_lite import Config, QuantSpec
@@ -72,6 +72,35 @@ def _layernorm():
     return m
 
 
+def _hf(name):
+    """A transformers layer (Conv1D, NewGELUActivation); None without transformers."""
+    try:
+        import transformers.activations as acts
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return None
+    return {"conv1d": lambda: Conv1D(C, C), "new_gelu": acts.NewGELUActivation}[name]
+
+
+def _rms_torch():
+    # eps given: with eps=None and bf16 input, eps is bf16's (7.8e-3) and PyTorch's own bf16
+    # gradient after a Conv1D was 15 dB off the fp64 one (mesa_lite's fp32 backward: 51 dB)
+    m = nn.RMSNorm(C, eps=1e-6)
+    with torch.no_grad():
+        m.weight.copy_(1 + 0.5 * torch.randn(C))
+    return m
+
+
+# the language-model layers (issue 13), paired with each other and with LM_PARTNERS both ways
+LM_OPS = {
+    "rmsnorm_hf": lambda: HFStyleRMSNorm(C),
+    "rmsnorm_torch": _rms_torch,
+    "silu": nn.SiLU,
+    "dropout": lambda: nn.Dropout(0.3),
+    **{k: v for k in ("conv1d", "new_gelu") if (v := _hf(k)) is not None},
+}
+LM_PARTNERS = ["layernorm", "linear", "gelu", "softmax", "attention"]
+
 OPS = {
     "layernorm": _layernorm,
     "gelu": nn.GELU,
@@ -104,7 +133,7 @@ INT8_SQNR_FLOOR_DB = {None: 20.0, torch.bfloat16: 18.0, torch.float16: 18.0}
 
 def build(ops, seed=0):
     torch.manual_seed(seed)
-    return nn.Sequential(*(OPS[op]() for op in ops))
+    return nn.Sequential(*((OPS | LM_OPS)[op]() for op in ops))
 
 
 def wrapped_copy(model, exact):
@@ -120,6 +149,7 @@ def run(model, x, autocast, g_seed=1):
     model.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_()
     dev = x.device.type
+    torch.manual_seed(7)  # the same dropout draws for the plain and the wrapped chain
     with torch.autocast(dev, dtype=autocast or torch.float32, enabled=autocast is not None):
         y = model(x)
     g = torch.randn(y.shape, generator=torch.Generator().manual_seed(g_seed))
@@ -162,6 +192,19 @@ def test_pairs(ops, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ops", list(itertools.product(TRIPLE_OPS, repeat=3)), ids="-".join)
 def test_triples(ops, device):
+    check_chain(ops, device)
+
+
+def _lm_pairs():
+    pairs = list(itertools.product(LM_OPS, repeat=2))
+    for a in LM_OPS:
+        pairs += [(a, b) for b in LM_PARTNERS] + [(b, a) for b in LM_PARTNERS]
+    return pairs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("ops", _lm_pairs(), ids="-".join)
+def test_language_model_op_pairs(ops, device):
     check_chain(ops, device)
 
 

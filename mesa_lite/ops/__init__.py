@@ -7,4 +7,15 @@ of its input). Its kernels are in ``kernels/`` and reached through ``mesa_lite.q
 ``common`` holds what every op shares.
 """
 
-from mesa_lite.ops import attention, gelu, layer_norm, linear, matmul, softmax  # noqa: F401
+from mesa_lite.ops import (  # noqa: F401
+    activation,
+    attention,
+    cross_entropy,
+    dropout,
+    gelu,
+    layer_norm,
+    linear,
+    matmul,
+    rms_norm,
+    softmax,
+)

@@ -53,9 +53,10 @@ def _joint_base(q, k, v) -> torch.Tensor | None:
     return base
 
 
-def sdpa_backend(q, k, v, dropout_p: float, is_causal: bool, scale) -> int:
-    """The fused backend ``F.scaled_dot_product_attention`` runs for these inputs (without a
-    mask), -1 for its math path or an error.
+def sdpa_backend(q, k, v, dropout_p: float, is_causal: bool, scale, mask=None,
+                 enable_gqa: bool = False) -> int:  # fmt: skip
+    """The fused backend ``F.scaled_dot_product_attention`` runs for these inputs, -1 for its
+    math path or an error.
 
     Under torch.compile, where ``_fused_sdp_choice`` cannot be traced, from the checks Dynamo
     folds into constants, which honour the backends the user enabled (``sdpa_kernel``): flash
@@ -63,12 +64,16 @@ def sdpa_backend(q, k, v, dropout_p: float, is_causal: bool, scale) -> int:
     mode may pick cuDNN where both are possible)."""
     if not torch.compiler.is_compiling():
         try:
-            return int(torch._fused_sdp_choice(q, k, v, None, dropout_p, is_causal, scale=scale))
+            return int(
+                torch._fused_sdp_choice(
+                    q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+                )
+            )
         except RuntimeError:
             return -1
     if q.device.type == "cpu":
         return SDPA_FLASH if torch._C._get_flash_sdp_enabled() else -1
-    params = torch.backends.cuda.SDPAParams(q, k, v, None, dropout_p, is_causal, False)
+    params = torch.backends.cuda.SDPAParams(q, k, v, mask, dropout_p, is_causal, enable_gqa)
     if torch.backends.cuda.can_use_flash_attention(params):
         return SDPA_FLASH
     if torch.backends.cuda.can_use_efficient_attention(params):
@@ -88,19 +93,43 @@ def sdpa_backends_enabled() -> tuple[bool, bool, bool, bool]:
             C._get_cudnn_sdp_enabled(), C._get_math_sdp_enabled())  # fmt: skip
 
 
-def sdpa_run(q, k, v, backend: int, dropout_p: float, is_causal: bool, scale):
+def attention_bias(mask, q, k, backend: int):
+    """The additive bias PyTorch's ``F.scaled_dot_product_attention`` hands ``backend`` for
+    ``attn_mask`` (None: None): a boolean mask becomes 0 / -inf in q's dtype (cuDNN: 0 /
+    -65504), and the memory-efficient kernel gets it expanded to (B, H, L, S) with its last
+    dim padded to a multiple of 16 (ATen's ``convert_boolean_attn_mask`` and
+    ``preprocess_mask``)."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        fill = -65504.0 if backend == SDPA_CUDNN else float("-inf")
+        zero = torch.scalar_tensor(0.0, dtype=q.dtype, device=mask.device)
+        mask = torch.where(mask.logical_not(), fill, zero)
+    if backend != SDPA_EFFICIENT or q.device.type == "cpu":
+        return mask
+    mask = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if mask.shape[-1] % 16:
+        pad = 16 - mask.shape[-1] % 16
+        return F.pad(mask, (0, pad))[..., : mask.shape[-1]]
+    if mask.stride(0) % 16 or mask.stride(1) % 16 or mask.stride(2) % 16:
+        return mask.contiguous()
+    return mask
+
+
+def sdpa_run(q, k, v, backend: int, dropout_p: float, is_causal: bool, scale, bias=None):
     """The fused attention op PyTorch's ``F.scaled_dot_product_attention`` dispatches to for
     ``backend``: ``(out, logsumexp, extra, max_qk)``, ``extra`` the tensors its backward takes
-    besides (cumulative lengths, RNG seed and offset), ``max_qk`` its ints (or None)."""
+    besides (cumulative lengths, RNG seed and offset), ``max_qk`` its ints (or None).
+    ``bias``: ``attention_bias`` of the mask (not with flash attention on CUDA)."""
     aten = torch.ops.aten
     if q.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, dropout_p, is_causal, attn_mask=None, scale=scale
+            q, k, v, dropout_p, is_causal, attn_mask=bias, scale=scale
         )
         return out, lse, (), None
     if backend == SDPA_CUDNN:
         res = aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, dropout_p, is_causal, False, scale=scale
+            q, k, v, bias, True, dropout_p, is_causal, False, scale=scale
         )
     elif backend == SDPA_FLASH:
         res = aten._scaled_dot_product_flash_attention(
@@ -108,7 +137,7 @@ def sdpa_run(q, k, v, backend: int, dropout_p: float, is_causal: bool, scale):
         )
     elif backend == SDPA_EFFICIENT:
         out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, dropout_p, is_causal, scale=scale
+            q, k, v, bias, True, dropout_p, is_causal, scale=scale
         )
         return out, lse, (seed, offset), None
     else:
@@ -117,20 +146,21 @@ def sdpa_run(q, k, v, backend: int, dropout_p: float, is_causal: bool, scale):
     return out, lse, (cum_q, cum_k, seed, offset), (max_q, max_k)
 
 
-def sdpa_backward(grad, q, k, v, out, lse, extra, max_qk, cfg: tuple, needs):
+def sdpa_backward(grad, q, k, v, out, lse, extra, max_qk, cfg: tuple, needs, bias=None):
     """The gradients of q, k and v through the backend's own backward op; ``cfg`` is
-    ``(backend, dropout_p, is_causal, scale)`` and ``needs`` the three needs-grad flags."""
+    ``(backend, dropout_p, is_causal, scale)``, ``needs`` the three needs-grad flags and
+    ``bias`` the forward's ``attention_bias``."""
     backend, dropout_p, is_causal, scale = cfg
     aten = torch.ops.aten
     if q.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, dropout_p, is_causal, attn_mask=None, scale=scale
+            grad, q, k, v, out, lse, dropout_p, is_causal, attn_mask=bias, scale=scale
         )
     if backend == SDPA_EFFICIENT:
         seed, offset = extra
         mask = [*needs, False]
         gq, gk, gv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            grad, q, k, v, None, out, lse, seed, offset, dropout_p, mask, is_causal,
+            grad, q, k, v, bias, out, lse, seed, offset, dropout_p, mask, is_causal,
             scale=scale,
         )  # fmt: skip
         return gq, gk, gv
@@ -138,7 +168,7 @@ def sdpa_backward(grad, q, k, v, out, lse, extra, max_qk, cfg: tuple, needs):
     max_q, max_k = max_qk
     if backend == SDPA_CUDNN:
         return aten._scaled_dot_product_cudnn_attention_backward(
-            grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k,
+            grad, q, k, v, out, lse, seed, offset, bias, cum_q, cum_k, max_q, max_k,
             dropout_p, is_causal, scale=scale,
         )  # fmt: skip
     return aten._scaled_dot_product_flash_attention_backward(
@@ -196,12 +226,15 @@ class SDPAFn(torch.autograd.Function):
     compressed and the fp32 logsumexp.
 
     Backward dequantizes them in their forward stride order and calls the backend's own
-    backward op. Attention masks are not taken here (see ``modules.scaled_dot_product_attention``).
+    backward op. ``mask``: the ``attn_mask`` as given (boolean or additive; kept by reference,
+    as it is one tensor for all layers, and converted again in backward), or None. k and v may
+    have fewer heads than q (grouped-query attention, ``enable_gqa``).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, backend: int, dropout_p: float, is_causal: bool, scale, spec):
-        out, lse, extra, ctx.max_qk = sdpa_run(q, k, v, backend, dropout_p, is_causal, scale)
+    def forward(ctx, q, k, v, mask, backend: int, dropout_p: float, is_causal: bool, scale, spec):
+        bias = attention_bias(mask, q, k, backend)
+        out, lse, extra, ctx.max_qk = sdpa_run(q, k, v, backend, dropout_p, is_causal, scale, bias)
         out = fresh(out)
         po, ctx.o_order = _keep_in_memory_order(out, spec)
         kept, ctx.qkv_layout = keep_qkv(q, k, v, spec)
@@ -209,7 +242,7 @@ class SDPAFn(torch.autograd.Function):
         # the output, in memory order, is also the projection's input (timm reshapes it to
         # (B, N, C), a view when the backend wrote it (B, N, H, D)-contiguous as cuDNN does)
         quant.share(out, po, memory_order=True)
-        quant.save(ctx, *kept, po, lse, *extra)
+        quant.save(ctx, *kept, po, lse, mask, *extra)
         ctx.cfg = (backend, dropout_p, is_causal, scale)
         return out
 
@@ -219,11 +252,12 @@ class SDPAFn(torch.autograd.Function):
         saved = quant.load(ctx)
         n = ctx.n_qkv
         q, k, v = rebuild_qkv(saved[:n], ctx.qkv_layout)
-        po, lse, *extra = saved[n:]
+        po, lse, mask, *extra = saved[n:]
         out = _restore(po, ctx.o_order)
         needs = ctx.needs_input_grad[:3]
-        gq, gk, gv = sdpa_backward(grad, q, k, v, out, lse, extra, ctx.max_qk, ctx.cfg, needs)
-        return gq, gk, gv, None, None, None, None, None
+        bias = attention_bias(mask, q, k, ctx.cfg[0])
+        gq, gk, gv = sdpa_backward(grad, q, k, v, out, lse, extra, ctx.max_qk, ctx.cfg, needs, bias)
+        return gq, gk, gv, None, None, None, None, None, None
 
 
 def scaled_dot_product_attention(
@@ -235,33 +269,42 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     scale: float | None = None,
     spec: QuantSpec | None = None,
+    enable_gqa: bool = False,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` keeping q, k, v and the output compressed.
 
     Runs the fused backend PyTorch itself picks for these inputs (so the output is
-    bit-identical): CPU flash attention, or CUDA flash, memory-efficient or cuDNN attention.
-    Where PyTorch would pick the math path or an ``attn_mask`` is
-    given, the call runs as plain PyTorch, uncompressed, with a one-time warning.
+    bit-identical): CPU flash attention, or CUDA flash, memory-efficient or cuDNN attention,
+    with a boolean or additive ``attn_mask`` (padding masks; kept by reference) and grouped
+    k/v heads (``enable_gqa``) where that backend takes them. Where PyTorch would pick its
+    math path (dropout on the CPU, shapes no fused kernel takes) the call runs as plain
+    PyTorch, uncompressed, with a one-time warning; a mask that needs grad too.
     """
     plain = spec is None or not needs_grad(q, k, v) or plain_under_functorch("attention")
     dtype = None if plain else autocast_dtype("sdpa", q.device)
     # right to left, as autocast casts them (its C++ argument expansion): when q, k, v are one
     # tensor, the order of the casts is the order their gradients are summed in
+    mc = autocast_cast(attn_mask, dtype)
     vc, kc, qc = autocast_cast(v, dtype), autocast_cast(k, dtype), autocast_cast(q, dtype)
+    kwargs = {"enable_gqa": True} if enable_gqa else {}
     if plain or not (qc.dtype == kc.dtype == vc.dtype):  # mixed dtypes: torch's own error
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
-        )
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            **kwargs,
+        )  # fmt: skip
     q, k, v = qc, kc, vc
-    backend = sdpa_backend(q, k, v, dropout_p, is_causal, scale) if attn_mask is None else -1
+    backend = sdpa_backend(q, k, v, dropout_p, is_causal, scale, mc, enable_gqa)
+    if mc is not None and mc.requires_grad:
+        backend = -2
     if backend not in fused_backends(q.device):
-        why = "an attn_mask" if attn_mask is not None else f"SDPA backend {backend}"
+        why = "a mask that needs grad" if backend == -2 else f"SDPA backend {backend}"
         warn_once(
             f"sdpa-{why}-{q.device.type}",
             f"mesa_lite: attention with {why} on {q.device.type} is not compressed; "
             "it runs as plain F.scaled_dot_product_attention",
         )
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
-        )
-    return SDPAFn.apply(q, k, v, backend, dropout_p, is_causal, scale, spec)
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            **kwargs,
+        )  # fmt: skip
+    return SDPAFn.apply(q, k, v, mc, backend, dropout_p, is_causal, scale, spec)

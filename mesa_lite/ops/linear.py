@@ -101,3 +101,55 @@ def linear(x, weight, bias, spec: QuantSpec) -> torch.Tensor:
         return F.linear(x, weight, bias)
     dtype = autocast_dtype("linear", x.device)
     return LinearFn.apply(autocast_cast(x, dtype), weight, bias, dtype, spec, (x,))
+
+
+register_probe("addmm", 3, lambda a, b, c: torch.addmm(a, b, c))
+
+
+class AddmmFn(torch.autograd.Function):
+    """``torch.addmm(bias, x.view(-1, in), weight).view(*x.shape[:-1], out)``: Hugging Face's
+    ``Conv1D`` (GPT-2), whose weight is stored (in, out); keeps the compressed input as
+    ``LinearFn`` does, and computes the gradients with addmm's own backward formulas."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, dtype: torch.dtype | None, spec: QuantSpec, shares=(None,)):
+        x2 = x.view(-1, x.shape[-1])
+        out = torch.addmm(autocast_cast(bias, dtype), x2, autocast_cast(weight, dtype))
+        need_x, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[0]
+        px = keep(x, spec, share_key=shares[0]) if need_x else None
+        quant.save(ctx, px, weight if need_w else None)
+        ctx.dtype, ctx.x_dtype = dtype, x.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        ctx.x_col_major = _folded_col_major(x2)
+        return fresh(out.view(*x.shape[:-1], out.shape[-1]))
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        px, weight = quant.load(ctx)
+        n = ctx.needs_input_grad
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gx = gw = gb = None
+        if n[0]:  # mm_mat1_backward
+            w = autocast_cast(weight, ctx.dtype)
+            gx = (w.mm(g2.t())).t() if ctx.x_col_major else g2.mm(w.t())
+            gx = gx.reshape(*grad.shape[:-1], w.shape[0])
+        if n[1]:  # mm_mat2_backward, the weight (in, out) row-major
+            x2 = quant.dequantize(px, ctx.x_dtype).reshape(-1, px.shape[-1])
+            if weight.stride(0) == 1 and weight.stride(1) == weight.shape[0]:
+                gw = g2.t().mm(x2).t()  # a column-major weight gets a column-major gradient
+            else:
+                gw = x2.t().mm(g2)
+            gw = gw.to(weight.dtype)
+        if ctx.b_dtype is not None and n[2]:
+            gb = g2.sum(0).to(ctx.b_dtype)
+        return gx, gw, gb, None, None, None
+
+
+def addmm(x, weight, bias, spec: QuantSpec) -> torch.Tensor:
+    """Hugging Face ``Conv1D``'s forward keeping its (autocast-cast) input compressed."""
+    if plain_under_functorch("Conv1D"):
+        x2 = torch.addmm(bias, x.view(-1, x.shape[-1]), weight)
+        return x2.view(*x.shape[:-1], weight.shape[1])
+    dtype = autocast_dtype("addmm", x.device)
+    return AddmmFn.apply(autocast_cast(x, dtype), weight, bias, dtype, spec, (x,))

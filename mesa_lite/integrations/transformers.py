@@ -1,0 +1,422 @@
+"""Hugging Face transformers integration: GPT-2, Llama-family (Llama, Mistral, Qwen2, ...) and
+BERT models compressed by ``wrap(model)`` with no model-specific code.
+
+What ``wrap`` converts, when transformers is importable:
+
+- ``Conv1D`` (GPT-2's projections): ``torch.addmm`` keeping its input compressed, as Linear.
+- The activation classes (``NewGELUActivation``, ``GELUTanh``, ``FastGELUActivation``,
+  ``QuickGELUActivation``, ``GELUActivation``, ``AccurateGELUActivation``: kind "gelu";
+  ``SiLUActivation``: kind "silu"): one compressed copy of the input, the module's own formula
+  forward and its derivative in backward (``modules.Activation``).
+- RMSNorm modules recognised by structure, not by a list of names: a module whose class name
+  ends in ``RMSNorm``, with a 1-D ``weight`` and a ``variance_epsilon`` or ``eps``, whose
+  forward matches the Hugging Face formula bit for bit on probe inputs (fp32 and bf16) when
+  ``wrap`` runs (``modules.RMSNorm``, kind "rmsnorm"). A variant that computes otherwise
+  (Gemma's ``1 + weight``) does not match and is skipped, named in ``wrap``'s log.
+- Attention modules (``GPT2Attention``, ``LlamaAttention``, ``BertSelfAttention``, ...: a class
+  from ``transformers.models`` whose name ends in ``Attention`` and that holds its q/k/v
+  projections): their own forward runs unchanged, with the attention functions it calls
+  (``F.scaled_dot_product_attention`` from the ``sdpa`` implementation, ``torch.matmul``,
+  softmax and dropout from the ``eager`` one) routed to mesa_lite's compressed forms by a
+  ``TorchFunctionMode`` for the duration of that forward. Causal, padding masks and grouped
+  k/v heads run through the fused-attention Function.
+- Gated MLPs (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Llama, Mistral, Qwen2),
+  recognised by structure and checked bit for bit on a probe input, run as one block-level
+  Function (``blocks.GatedMlpFn``) keeping the gate and up projections' outputs compressed,
+  the down projection's input rebuilt from them.
+- The causal-LM loss (models whose ``loss_type`` is ``ForCausalLM``): the model's
+  ``loss_function`` is set to ``causal_lm_loss``, a chunked cross-entropy that keeps no fp32
+  ``batch x seq x vocab`` tensor (kind "loss"); ``unwrap`` removes it.
+- ``nn.Dropout`` (core, ``modules.Dropout``) keeps its mask as 1 bit per element.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from mesa_lite import blocks
+from mesa_lite.config import QuantSpec
+from mesa_lite.modules import Activation, FusedBlock, Linear, MesaModule, RMSNorm, SiLU
+from mesa_lite.ops.attention import scaled_dot_product_attention
+from mesa_lite.ops.common import autocast_dtype, needs_grad
+from mesa_lite.ops.cross_entropy import cross_entropy
+from mesa_lite.ops.dropout import dropout
+from mesa_lite.ops.linear import addmm
+from mesa_lite.ops.matmul import matmul
+from mesa_lite.ops.softmax import softmax
+
+try:
+    import transformers.activations as _acts
+    from transformers.pytorch_utils import Conv1D as _Conv1D
+except ImportError:  # pragma: no cover - transformers is optional
+    _acts = None
+    _Conv1D = None
+
+__all__ = ["registrations", "structural", "block_matchers", "after_wrap", "after_unwrap"]
+
+_GELU_NAMES = (
+    "NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation",
+    "QuickGELUActivation", "GELUActivation", "AccurateGELUActivation",
+)  # fmt: skip
+
+
+def registrations() -> list[tuple[type, type, str, object, str | None]]:
+    """(transformers type, mesa_lite class, kind, accepts or None, why) for ``wrap``."""
+    if _acts is None:
+        return []
+    regs = [(_Conv1D, Conv1D, "linear", None, None)]
+    seen = set()
+    for name in _GELU_NAMES:
+        cls = getattr(_acts, name, None)
+        if cls is not None and cls not in seen:
+            seen.add(cls)
+            regs.append((cls, Activation, "gelu", None, None))
+    silu = getattr(_acts, "SiLUActivation", None)
+    if silu is not None and silu is not nn.SiLU:
+        regs.append((silu, SiLU, "silu", None, None))
+    return regs
+
+
+if _Conv1D is not None:
+
+    class Conv1D(MesaModule, _Conv1D):
+        """transformers' ``Conv1D`` (weight (in, out)) keeping its input compressed."""
+
+        mesa_kind = "linear"
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            weight, bias = self.weight, self.bias
+            if bias is None or not self._mesa_active(x, weight, bias):
+                return super().forward(x)
+            return addmm(x, weight, bias, self.mesa_spec)
+
+
+# ---- recognised by structure ----------------------------------------------------------------
+
+
+def _probe_inputs(weight: torch.Tensor):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(2, 3, weight.shape[-1], generator=g).to(weight.device)
+    return [x, x.to(torch.bfloat16)]
+
+
+def _rms_matches(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is the Hugging Face RMSNorm formula, bit for bit, on
+    probe inputs (fp32 and bf16)."""
+    from mesa_lite.ops.rms_norm import rms_forward
+
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    weight = module.weight
+    try:
+        with torch.no_grad():
+            for x in _probe_inputs(weight):
+                want = type(module).forward(module, x)
+                got = rms_forward(x, weight, eps, "hf", 1)[0]
+                if want.dtype != got.dtype or not torch.equal(want, got):
+                    return False
+    except Exception:  # noqa: BLE001 - a forward that fails on a probe is not the formula
+        return False
+    return True
+
+
+def _rms_candidate(module: nn.Module) -> bool:
+    if isinstance(module, nn.RMSNorm) or not type(module).__name__.endswith("RMSNorm"):
+        return False
+    weight = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    ok = isinstance(weight, torch.Tensor) and weight.dim() == 1 and isinstance(eps, float)
+    return ok and len(list(module.children())) == 0
+
+
+def structural() -> list[tuple[object, type, str, object, str]]:
+    """(matches(module), mesa_lite class, kind, accepts(module), why accepts rejects) for
+    module types ``wrap`` does not know by name: a module that ``matches`` is converted when
+    ``accepts`` too, and skipped with ``why`` otherwise."""
+    if _acts is None:
+        return []
+    return [
+        (_rms_candidate, RMSNorm, "rmsnorm", _rms_matches,
+         "RMSNorm whose forward is not the Hugging Face formula"),
+        (_attention_candidate, HFAttention, "attention", None, None),
+    ]  # fmt: skip
+
+
+# ---- attention modules ----------------------------------------------------------------------
+
+_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax)
+_MATMUL = (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__)
+
+
+class _AttentionOps(TorchFunctionMode):
+    """Routes the attention functions a Hugging Face attention forward calls to mesa_lite's
+    compressed forms (each computes PyTorch's forward bit for bit)."""
+
+    def __init__(self, spec: QuantSpec) -> None:
+        super().__init__()
+        self.spec = spec
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _sdpa(self.spec, *args, **kwargs)
+        if func in _MATMUL and len(args) == 2 and not kwargs:
+            a, b = args
+            if a.dim() >= 2 and b.dim() >= 2 and needs_grad(a, b):
+                return matmul(a, b, self.spec)
+        elif func in _SOFTMAX:
+            return _softmax(self.spec, func, args, kwargs)
+        elif func is F.dropout:
+            return dropout(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _sdpa(spec, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+          enable_gqa=False):  # fmt: skip
+    return scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        spec=spec, enable_gqa=enable_gqa,
+    )  # fmt: skip
+
+
+def _softmax(spec, func, args, kwargs):
+    """``softmax(x, dim, dtype=None)`` (any of its spellings) through mesa_lite's softmax."""
+    x = args[0]
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    dtype = kwargs.get("dtype", args[3] if func is F.softmax and len(args) > 3 else None)
+    if func is not F.softmax and len(args) > 2:
+        dtype = args[2]
+    extra = set(kwargs) - {"dim", "dtype", "_stacklevel"}
+    if dim is None or extra or not needs_grad(x):
+        return func(*args, **kwargs)
+    if dtype is not None:
+        x = x.to(dtype)
+    return softmax(x, dim, spec)
+
+
+def _attention_candidate(module: nn.Module) -> bool:
+    cls = type(module)
+    if not cls.__module__.startswith("transformers.models.") or not cls.__name__.endswith(
+        "Attention"
+    ):
+        return False
+    names = set(dict(module.named_children()))
+    return bool({"q_proj", "query", "c_attn"} & names)
+
+
+class HFAttention(MesaModule, nn.Module):
+    """A Hugging Face attention module running its own forward with the attention functions
+    routed to mesa_lite's compressed forms (``_AttentionOps``)."""
+
+    mesa_kind = "attention"
+
+    def forward(self, *args, **kwargs):
+        if self.mesa_spec is None or not (self.training and torch.is_grad_enabled()):
+            return super().forward(*args, **kwargs)
+        with _AttentionOps(self.mesa_spec):
+            return super().forward(*args, **kwargs)
+
+
+# ---- gated MLP ------------------------------------------------------------------------------
+
+
+def _gated_candidate(module: nn.Module) -> bool:
+    parts = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")]
+    if not all(isinstance(p, nn.Module) for p in parts):
+        return False
+    return all(isinstance(p, nn.Linear) for p in parts[:3])
+
+
+def _gated_matches(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is ``down(act(gate(x)) * up(x))`` bit for bit on a probe."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w = module.gate_proj.weight
+    x = torch.randn(2, 3, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
+    was = module.training
+    try:
+        module.eval()
+        with torch.no_grad():
+            want = type(module).forward(module, x)
+            got = module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
+        return want.dtype == got.dtype and torch.equal(want, got)
+    except Exception:  # noqa: BLE001 - a forward that fails on a probe is not the formula
+        return False
+    finally:
+        module.train(was)
+
+
+class GatedMlp(FusedBlock, nn.Module):
+    """A gated MLP running as one ``blocks.GatedMlpFn`` when its projections and activation
+    are wrapped with one setting (no hooks, training with grad); otherwise its own forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spec = _gated_spec(self) if self._mesa_block_active(x) else None
+        if spec is None:
+            return super().forward(x)
+        act = self.act_fn
+        fn, grad_fn = act.mesa_formula()
+        dtype = autocast_dtype("linear", x.device)
+        gp, up, dp = self.gate_proj, self.up_proj, self.down_proj
+        cfg = (dtype, fn, grad_fn, spec)
+        return blocks.GatedMlpFn.apply(
+            x, gp.weight, gp.bias, up.weight, up.bias, dp.weight, dp.bias, cfg
+        )
+
+
+def _gated_spec(m: nn.Module) -> QuantSpec | None:
+    from mesa_lite.integrations.timm import _plain_modules
+
+    layers = (m.gate_proj, m.up_proj, m.down_proj, m.act_fn)
+    if not all(isinstance(x, Linear) for x in layers[:3]) or not isinstance(m.act_fn, Activation):
+        return None
+    if getattr(m.act_fn, "inplace", False):
+        return None
+    spec = blocks.spec_of(*layers)
+    return spec if spec is not None and _plain_modules(m, *layers) else None
+
+
+def _match_gated(module: nn.Module):
+    if _gated_candidate(module) and _gated_matches(module):
+        return GatedMlp
+    return None
+
+
+def block_matchers() -> list:
+    """``module -> FusedBlock class or None`` for ``wrap``'s block pass."""
+    return [_match_gated]
+
+
+# ---- the causal-LM loss ---------------------------------------------------------------------
+
+
+def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None,
+                   ignore_index: int = -100, shift_labels=None, **kwargs):  # fmt: skip
+    """transformers' ``ForCausalLMLoss`` through a chunked cross-entropy: the same shift and
+    reduction, without the fp32 copy of the logits and its log-softmax kept for backward.
+    Equal to transformers' loss within fp32 rounding (the sum runs chunk by chunk)."""
+    if shift_labels is None:
+        labels = F.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
+    logits = logits.view(-1, vocab_size)
+    shift_labels = shift_labels.view(-1).to(logits.device)
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = cross_entropy(logits, shift_labels, ignore_index, reduction)
+    if reduction == "sum":
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+class _CausalLMLoss:
+    """The ``loss_function`` ``wrap`` gives a causal LM (picklable; ``unwrap`` removes it)."""
+
+    def __init__(self, spec: QuantSpec) -> None:
+        self.spec = spec
+
+    def __call__(self, logits, labels, vocab_size: int, **kwargs):
+        return causal_lm_loss(logits, labels, vocab_size, **kwargs)
+
+
+def _causal_lm(module: nn.Module) -> bool:
+    """A language model whose ``loss_function`` is transformers' ``ForCausalLMLoss``: its
+    ``loss_type`` says so, or it has none (transformers then falls back to that loss) and an
+    ``lm_head``. A loss function the user set is left alone."""
+    if "_loss_function" in module.__dict__ or not hasattr(type(module), "loss_function"):
+        return False
+    loss_type = getattr(module, "loss_type", None)
+    if loss_type == "ForCausalLM":
+        return True
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:  # pragma: no cover - older transformers
+        return False
+    return loss_type not in LOSS_MAPPING and isinstance(getattr(module, "lm_head", None), nn.Module)
+
+
+class _LossOps(TorchFunctionMode):
+    """Routes ``F.cross_entropy`` on 2-D logits that need grad (mean or sum, no class weights
+    or label smoothing) to the chunked cross-entropy: the loss heads that call
+    ``CrossEntropyLoss()`` inline (``BertForMaskedLM``) keep no fp32 log-probabilities."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.cross_entropy:
+            got = _chunked(*args, **kwargs)
+            if got is not None:
+                return got
+        return func(*args, **kwargs)
+
+
+def _chunked(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+             reduction="mean", label_smoothing=0.0):  # fmt: skip
+    plain = weight is not None or size_average is not None or reduce is not None
+    if plain or label_smoothing != 0.0 or reduction not in ("mean", "sum"):
+        return None
+    if input.dim() != 2 or target.dim() != 1 or target.is_floating_point():
+        return None
+    if not (input.is_floating_point() and input.requires_grad and torch.is_grad_enabled()):
+        return None
+    return cross_entropy(input, target, ignore_index, reduction)
+
+
+class _LossHooks:
+    """The forward pre-hook and hook that hold ``_LossOps`` over a model's forward."""
+
+    def __init__(self) -> None:
+        self.modes: list[_LossOps] = []
+
+    def enter(self, module, args):
+        if module.training:
+            mode = _LossOps()
+            mode.__enter__()
+            self.modes.append(mode)
+
+    def exit(self, module, args, output):
+        if self.modes:
+            self.modes.pop().__exit__(None, None, None)
+
+
+def _inline_loss_head(module: nn.Module) -> bool:
+    """A transformers model whose forward computes a cross-entropy itself (a ``...ForMaskedLM``
+    or other head that is not a causal LM)."""
+    return (
+        type(module).__module__.startswith("transformers.models.")
+        and hasattr(type(module), "loss_function")
+        and type(module).__name__.endswith("ForMaskedLM")
+    )
+
+
+def after_wrap(model: nn.Module, config) -> int:
+    """Sets the chunked loss on the language models in ``model`` (the ``loss_function`` of
+    causal LMs, a ``_LossOps`` over the forward of masked LMs); returns how many."""
+    after_unwrap(model)
+    n = 0
+    for name, module in model.named_modules():
+        causal = _causal_lm(module)
+        if not (causal or _inline_loss_head(module)):
+            continue
+        spec = config.spec_for(name, "loss")
+        # the chunked sum is not bit for bit: debug_exact keeps transformers' own loss
+        if spec is None or spec.exact:
+            continue
+        if causal:
+            module._loss_function = _CausalLMLoss(spec)
+        else:
+            hooks = _LossHooks()
+            module.__dict__["_mesa_loss_hooks"] = (
+                module.register_forward_pre_hook(hooks.enter),
+                module.register_forward_hook(hooks.exit, always_call=True),
+            )
+        n += 1
+    return n
+
+
+def after_unwrap(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module.__dict__.get("_loss_function"), _CausalLMLoss):
+            del module.__dict__["_loss_function"]
+        for handle in module.__dict__.pop("_mesa_loss_hooks", ()):
+            handle.remove()

@@ -1,0 +1,113 @@
+"""Elementwise activations written as formulas (Hugging Face's ``NewGELUActivation``,
+``FastGELUActivation``, ``QuickGELUActivation``, ``GELUTanh``, ``GELUActivation``, SiLU, ...):
+one compressed copy of the input; the output rebuilt from it for the next op (an ``act``
+recipe step).
+
+The forward runs the module's own formula, so the output is the module's bit for bit, under
+autocast too (autocast still acts inside: ``torch.pow`` in the GELU formulas runs in fp32 on
+CUDA). Backward rebuilds the input and differentiates the same formula with autograd under the
+forward's autocast state: the exact derivative of the formula, evaluated at the rebuilt input.
+Where the formula is a single torch op with its own backward op (SiLU), that op is called
+directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mesa_lite import quant
+from mesa_lite.config import QuantSpec
+from mesa_lite.ops.common import first_order_only, keep, plain_under_functorch
+
+
+def autocast_state(device: torch.device) -> tuple:
+    """``(device type, enabled, dtype)`` of autocast on ``device``, to run a recompute in."""
+    dev = device.type
+    if dev not in ("cpu", "cuda", "xpu", "mps"):
+        return (dev, False, None)
+    return (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+
+
+def _run(fn, x: torch.Tensor, state: tuple) -> torch.Tensor:
+    dev, enabled, dtype = state
+    if dtype is None:
+        return fn(x)
+    with torch.autocast(dev, dtype=dtype, enabled=enabled):
+        return fn(x)
+
+
+def _act_first(p: quant.Packed, step: tuple, aux: list, dtype: torch.dtype) -> torch.Tensor:
+    """The activation's output from the codes of its input (exact mode: the kept input)."""
+    _, x_dtype, fn, state = step
+    x = quant.stored(p, x_dtype).view(p.shape)
+    return _run(fn, x, state).to(dtype)
+
+
+def _act_then(h: torch.Tensor, step: tuple, aux: list) -> torch.Tensor:
+    _, x_dtype, fn, state = step
+    return _run(fn, h.to(x_dtype), state)
+
+
+# ("act", input dtype, formula, autocast state): an activation's output from its input
+quant.register_step("act", quant.RecipeStep(0, _act_first, _act_then, lambda step: step[1]))
+
+
+def silu_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.silu_backward(grad, x)
+
+
+class ActivationFn(torch.autograd.Function):
+    """``fn(x)`` for an elementwise formula ``fn``, keeping ``x`` compressed (or the codes a
+    producer registered for it, its recipe extended) and registering them as the rebuildable
+    copy of the output, so the next Linear keeps no second copy.
+
+    ``grad_fn``: ``(grad, x) -> grad of x`` when the formula has its own backward op; None
+    differentiates ``fn`` with autograd.
+    """
+
+    @staticmethod
+    def forward(ctx, x, fn, grad_fn, spec: QuantSpec):
+        state = autocast_state(x.device)
+        out = fn(x)
+        p = keep(x, spec, max_steps=quant.MAX_RECIPE_STEPS - 1)
+        quant.save(ctx, p)
+        if out.shape == x.shape:
+            quant.share(out, p.derived(("act", x.dtype, fn, state), out.dtype))
+        ctx.fn, ctx.grad_fn, ctx.state, ctx.x_dtype = fn, grad_fn, state, x.dtype
+        return out
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        (px,) = quant.load(ctx)
+        x = quant.dequantize(px, ctx.x_dtype)
+        return activation_grad(ctx.fn, ctx.grad_fn, ctx.state, x, grad), None, None, None
+
+
+def run_activation(fn, x: torch.Tensor, state: tuple) -> torch.Tensor:
+    """``fn(x)`` under the autocast ``state`` of its forward (``autocast_state``)."""
+    return _run(fn, x, state)
+
+
+def activation_grad(fn, grad_fn, state: tuple, x: torch.Tensor, grad: torch.Tensor):
+    """The input gradient of ``fn`` at ``x``: ``grad_fn(grad, x)``, or (None) ``fn``
+    differentiated by autograd under the forward's autocast ``state``."""
+    if grad_fn is not None:
+        return grad_fn(grad, x)
+    with torch.enable_grad():
+        x = x.detach().requires_grad_()
+        y = _run(fn, x, state)
+        (gx,) = torch.autograd.grad(y, x, grad)
+    return gx
+
+
+def activation(x: torch.Tensor, fn, spec: QuantSpec, grad_fn=None, name: str = "activation"):
+    """``fn(x)`` keeping ``x`` compressed for backward (``ActivationFn``)."""
+    if plain_under_functorch(name):
+        return fn(x)
+    return ActivationFn.apply(x, fn, grad_fn, spec)
+
+
+def silu(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``F.silu(x)`` (out of place) keeping ``x`` compressed."""
+    return activation(x, torch.nn.functional.silu, spec, silu_grad, "SiLU")

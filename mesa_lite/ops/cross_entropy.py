@@ -1,0 +1,83 @@
+"""Cross-entropy over a large vocabulary without the fp32 ``rows x vocab`` log-probabilities
+that ``F.cross_entropy(logits.float(), ...)`` keeps for backward.
+
+``ChunkedCrossEntropyFn`` takes the logits in their own dtype (bf16/fp16 under autocast: the
+language model's output, which lives anyway) and works through them a chunk of rows at a time:
+the forward sums ``F.cross_entropy(chunk.float(), labels, reduction="sum")`` per chunk, the
+backward recomputes each chunk's softmax in fp32. It keeps only a reference to the logits and
+the labels. The fp32 temporaries are one chunk's, not the whole batch's.
+
+The loss equals PyTorch's within fp32 rounding, not bit for bit: the sum runs chunk by chunk
+instead of in one reduction (tested: relative difference below 1e-6).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mesa_lite.ops.common import first_order_only
+
+# rows per chunk: about this many fp32 elements of logits at a time (64 MiB)
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunks(n: int, vocab: int):
+    rows = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    for start in range(0, n, rows):
+        yield start, min(n, start + rows)
+
+
+class ChunkedCrossEntropyFn(torch.autograd.Function):
+    """``F.cross_entropy(logits.float(), labels, ignore_index=..., reduction=...)`` for 2-D
+    ``logits`` (rows x vocab) and 1-D integer ``labels``; ``reduction`` "mean" or "sum"."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, ignore_index: int, reduction: str):
+        n, vocab = logits.shape
+        total = logits.new_zeros((), dtype=torch.float32)
+        for a, b in _chunks(n, vocab):
+            total += F.cross_entropy(
+                logits[a:b].float(), labels[a:b], ignore_index=ignore_index, reduction="sum"
+            )
+        count = labels.ne(ignore_index).sum()
+        ctx.save_for_backward(logits, labels)
+        ctx.ignore_index, ctx.reduction = ignore_index, reduction
+        if reduction == "mean":
+            ctx.count = count
+            return total / count
+        return total
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        logits, labels = ctx.saved_tensors
+        n, vocab = logits.shape
+        scale = grad.float()
+        if ctx.reduction == "mean":
+            scale = scale / ctx.count
+        out = torch.empty_like(logits)
+        for a, b in _chunks(n, vocab):
+            lab = labels[a:b]
+            keep = lab.ne(ctx.ignore_index)
+            g = torch.softmax(logits[a:b].float(), -1)
+            rows = torch.arange(b - a, device=g.device)
+            g[rows, lab.clamp(0, vocab - 1)] -= keep.float()
+            g.mul_((keep.float() * scale).unsqueeze(1))
+            out[a:b] = g
+        return out, None, None, None
+
+
+def cross_entropy(logits, labels, ignore_index: int = -100, reduction: str = "mean"):
+    """``F.cross_entropy(logits.float(), labels, ...)`` for 2-D logits through
+    ``ChunkedCrossEntropyFn`` (logits that need no grad, or other reductions: the plain op)."""
+    if reduction not in ("mean", "sum") or not (torch.is_grad_enabled() and logits.requires_grad):
+        return F.cross_entropy(
+            logits.float(), labels, ignore_index=ignore_index, reduction=reduction
+        )
+    if logits.dim() != 2 or labels.dim() != 1 or labels.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"cross_entropy: expected logits (rows, vocab) and labels (rows,), got "
+            f"{tuple(logits.shape)} and {tuple(labels.shape)}"
+        )
+    return ChunkedCrossEntropyFn.apply(logits, labels, ignore_index, reduction)

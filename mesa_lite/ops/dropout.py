@@ -1,0 +1,90 @@
+"""Dropout: keeps its mask as 1 bit per element instead of PyTorch's byte (CUDA) or full-width
+(CPU) mask; the gradients are PyTorch's bit for bit, since the mask is exact.
+
+The forward draws the mask exactly as ``F.dropout`` does on each device, so the same RNG state
+gives the same output: on CUDA (and other devices with a fused kernel) ``torch.native_dropout``,
+elsewhere ``empty_like(x).bernoulli_(1 - p)`` scaled by ``1 / (1 - p)`` and multiplied in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mesa_lite.ops.common import first_order_only, plain_under_functorch
+
+
+def _weights(device: torch.device) -> torch.Tensor:
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool tensor as uint8, 8 elements per byte (row-major order, zero-padded)."""
+    flat = mask.reshape(-1)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return (flat.view(-1, 8).to(torch.uint8) * _weights(mask.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, shape) -> torch.Tensor:
+    """The bool tensor ``pack_bits`` packed, of ``shape``."""
+    n = 1
+    for s in shape:
+        n *= s
+    bits = packed.unsqueeze(1).bitwise_and(_weights(packed.device)).ne(0)
+    return bits.reshape(-1)[:n].view(shape)
+
+
+def _fused(x: torch.Tensor, p: float) -> bool:
+    """Whether ``F.dropout`` runs the fused ``native_dropout`` kernel on ``x`` (ATen's
+    ``is_fused_kernel_acceptable``)."""
+    return x.device.type not in ("cpu", "mps", "meta") and 0 < p < 1 and x.numel() > 0
+
+
+class DropoutFn(torch.autograd.Function):
+    """``F.dropout(x, p, training=True)`` keeping the mask as packed bits."""
+
+    @staticmethod
+    def forward(ctx, x, p: float):
+        if _fused(x, p):
+            out, mask = torch.native_dropout(x, p, True)
+            ctx.scale = 1.0 / (1.0 - p)
+        else:
+            noise = torch.empty_like(x).bernoulli_(1 - p)
+            noise.div_(1 - p)
+            out = x * noise
+            mask = noise.ne(0)
+            # the scale as the kept noise holds it, rounded to x's dtype
+            ctx.scale = noise.new_ones(()).div_(1 - p)
+        ctx.fused = _fused(x, p)
+        ctx.shape = x.shape
+        ctx.save_for_backward(pack_bits(mask))
+        return out
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        (packed,) = ctx.saved_tensors
+        mask = unpack_bits(packed, ctx.shape)
+        if ctx.fused:
+            return torch.ops.aten.native_dropout_backward(grad, mask, ctx.scale), None
+        noise = torch.zeros(ctx.shape, dtype=ctx.scale.dtype, device=grad.device)
+        noise.masked_fill_(mask, ctx.scale)
+        return grad * noise, None
+
+
+def dropout(x: torch.Tensor, p: float, training: bool = True, inplace: bool = False):
+    """``F.dropout`` keeping its mask as 1 bit per element when ``x`` needs grad; anything else
+    (p 0 or 1, eval, no grad, an in-place call, non-floating input) is ``F.dropout`` itself."""
+    plain = (
+        not training
+        or inplace
+        or not 0 < p < 1
+        or x.numel() == 0
+        or not x.is_floating_point()
+        or not (torch.is_grad_enabled() and x.requires_grad)
+        or plain_under_functorch("Dropout")
+    )
+    if plain:
+        return torch.nn.functional.dropout(x, p, training, inplace)
+    return DropoutFn.apply(x, p)

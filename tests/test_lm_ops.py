@@ -1,0 +1,270 @@
+"""The language-model ops of issue 13, one by one against PyTorch: Dropout's 1-bit mask, the
+chunked cross-entropy, the elementwise activations (SiLU and transformers' GELU variants),
+RMSNorm, Conv1D and the gated MLP block."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import HFStyleRMSNorm, assert_equal, saved_activation_bytes, sqnr_db
+
+import mesa_lite
+from mesa_lite import Config
+from mesa_lite.ops import cross_entropy as ce
+from mesa_lite.ops.dropout import dropout, pack_bits, unpack_bits
+
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def _grads(model, x, autocast, seed=3):
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    torch.manual_seed(seed)
+    with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+        y = model(x)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype)
+    y.backward(g)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return y, {"input": x.grad, **grads}
+
+
+def _check(plain, x, autocast, floor):
+    """Forward bit-exact; gradients bit-exact in debug_exact and above ``floor`` dB at int8."""
+    for exact in (True, False):
+        wrapped = mesa_lite.wrap(copy.deepcopy(plain), Config(debug_exact=exact))
+        assert mesa_lite.wrapped_modules(wrapped), "nothing was converted"
+        y0, g0 = _grads(plain, x, autocast)
+        y1, g1 = _grads(wrapped, x, autocast)
+        assert_equal(y1, y0, "forward")
+        for n, a in g0.items():
+            if exact:
+                assert_equal(g1[n], a, f"grad of {n}")
+            else:
+                assert sqnr_db(a, g1[n]) >= floor, n  # inf: a bias grad reads no activation
+
+
+# ---- dropout ---------------------------------------------------------------------------------
+
+
+def test_bits_round_trip():
+    m = torch.rand(3, 5, 7) > 0.4
+    packed = pack_bits(m)
+    assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(m.numel() / 8)
+    assert torch.equal(unpack_bits(packed, m.shape), m)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dropout_same_draws_and_exact_gradients_from_one_bit(dtype):
+    x = torch.randn(4, 33, 17).to(dtype).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    torch.manual_seed(0)
+    ref = F.dropout(x, 0.3, training=True)
+    torch.manual_seed(0)
+    kept, out = saved_activation_bytes(lambda: dropout(x2, 0.3))
+    assert_equal(out, ref, "forward")
+    assert kept == math.ceil(x.numel() / 8), kept  # the mask, 1 bit per element
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    assert_equal(x2.grad, x.grad, "grad")
+
+
+def test_dropout_plain_where_it_does_nothing_or_works_in_place():
+    x = torch.randn(8, 8, requires_grad=True)
+    for p, training, inplace in ((0.0, True, False), (1.0, True, False), (0.5, False, False)):
+        out = dropout(x, p, training, inplace)
+        assert "DropoutFn" not in type(out.grad_fn).__name__ if out.grad_fn else True
+    layer = mesa_lite.wrap(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.0)))
+    assert type(layer[1]) is nn.Dropout  # p == 0: nothing to keep, not converted
+
+
+def test_dropout_nonfinite_stays_nonfinite():
+    x = torch.tensor([[float("inf"), float("nan"), 1.0, -float("inf")]] * 8, requires_grad=True)
+    torch.manual_seed(0)
+    ref = F.dropout(x, 0.5)
+    torch.manual_seed(0)
+    out = dropout(x, 0.5)
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
+
+
+# ---- chunked cross-entropy -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_cross_entropy(dtype, reduction, monkeypatch):
+    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", 700)  # several chunks on a small input
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(37, 101, generator=g) * 3).to(dtype).requires_grad_()
+    labels = torch.randint(0, 101, (37,), generator=g)
+    labels[::5] = -100
+    ref_in = logits.detach().clone().requires_grad_()
+    ref = F.cross_entropy(ref_in.float(), labels, ignore_index=-100, reduction=reduction)
+    kept, loss = saved_activation_bytes(lambda: ce.cross_entropy(logits, labels, -100, reduction))
+    assert loss.dtype == torch.float32
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=0), (loss, ref)  # within fp32 rounding
+    # a reference to the logits and the labels: no fp32 rows x vocab tensor of its own
+    assert kept <= logits.numel() * logits.element_size() + labels.numel() * 8, kept
+    ref.backward()
+    loss.backward()
+    assert sqnr_db(ref_in.grad, logits.grad) > (60 if dtype == torch.float32 else 40)
+    assert torch.all(logits.grad[::5] == 0)  # ignored rows
+
+
+def test_chunked_cross_entropy_bad_input_and_nonfinite():
+    with pytest.raises(ValueError, match="expected logits"):
+        ce.cross_entropy(torch.randn(2, 3, 4, requires_grad=True), torch.zeros(2, 3).long())
+    logits = torch.randn(4, 10)
+    logits[1, 3] = float("inf")
+    logits.requires_grad_()
+    loss = ce.cross_entropy(logits, torch.tensor([1, 2, 3, 4]))
+    assert not torch.isfinite(loss)
+
+
+# ---- activations -----------------------------------------------------------------------------
+
+
+def _activations():
+    acts = {"silu": nn.SiLU}
+    try:
+        import transformers.activations as a
+    except ImportError:
+        return acts
+    names = ("NewGELUActivation", "GELUTanh", "FastGELUActivation", "QuickGELUActivation",
+             "GELUActivation", "SiLUActivation", "AccurateGELUActivation")  # fmt: skip
+    acts.update({n: getattr(a, n) for n in names if hasattr(a, n)})
+    return acts
+
+
+@pytest.mark.parametrize("autocast", AUTOCAST, ids=str)
+@pytest.mark.parametrize("name", list(_activations()))
+def test_activations(name, autocast):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 64), _activations()[name](), nn.Linear(64, 16))
+    _check(plain, torch.randn(4, 10, 16) * 2, AUTOCAST[autocast], floor=30.0)
+
+
+def test_activation_output_shared_with_the_next_linear():
+    """The activation's codes rebuild its output for the next Linear: one copy, not two."""
+    torch.manual_seed(0)
+    net = mesa_lite.wrap(nn.Sequential(nn.Linear(16, 256), nn.SiLU(), nn.Linear(256, 16)))
+    x = torch.randn(4, 64, 16)
+    kept, _ = saved_activation_bytes(lambda: net(x), params=list(net.parameters()))
+    n = 4 * 64 * 256
+    assert kept < 1.2 * n + 4 * 64 * 16 * 1.2, kept  # SiLU's int8 input (+ the first input)
+
+
+# ---- RMSNorm ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("autocast", AUTOCAST, ids=str)
+@pytest.mark.parametrize("kind", ["hf", "torch", "torch_2d"])
+def test_rms_norm(kind, autocast):
+    torch.manual_seed(0)
+    norm = {"hf": lambda: HFStyleRMSNorm(32), "torch": lambda: nn.RMSNorm(32, eps=1e-6),
+            "torch_2d": lambda: nn.RMSNorm((4, 8), eps=1e-6)}[kind]()  # fmt: skip
+    if kind == "torch_2d":
+        plain = nn.Sequential(nn.Linear(8, 8), norm, nn.Linear(8, 8))
+        x = torch.randn(3, 5, 4, 8) * 3
+    else:
+        plain = nn.Sequential(nn.Linear(32, 32), norm, nn.Linear(32, 32))
+        x = torch.randn(3, 20, 32) * 3
+    _check(plain, x, AUTOCAST[autocast], floor=30.0)
+
+
+def test_rms_norm_keeps_int8_input_and_rstd_and_shares_with_the_next_linear():
+    torch.manual_seed(0)
+    net = mesa_lite.wrap(nn.Sequential(HFStyleRMSNorm(256), nn.Linear(256, 256)))
+    x = torch.randn(8, 64, 256, requires_grad=True)
+    kept, _ = saved_activation_bytes(lambda: net(x), params=list(net.parameters()))
+    rows = 8 * 64
+    assert kept == rows * 256 + rows * 256 // 128 * 4 + rows * 4, kept  # codes, scales, rstd
+
+
+def test_rms_norm_nonfinite_and_fp64():
+    net = mesa_lite.wrap(nn.Sequential(HFStyleRMSNorm(8)))
+    x = torch.randn(2, 8)
+    x[0, 1] = float("inf")
+    x.requires_grad_()
+    y = net(x)
+    assert torch.isfinite(y[1]).all()  # the forward is PyTorch's
+    y.sum().backward()
+    # non-finite stays non-finite (GradScaler skips the step); it spreads over its group
+    assert not torch.isfinite(x.grad[0]).all()
+    # fp64 is kept exactly: gradients equal to PyTorch's even at "int8"
+    _check(HFStyleRMSNorm(8).double(), torch.randn(2, 8, dtype=torch.float64), None, 200.0)
+
+
+# ---- Conv1D and the gated MLP ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("autocast", AUTOCAST, ids=str)
+def test_conv1d(autocast):
+    Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    torch.manual_seed(0)
+    plain = nn.Sequential(Conv1D(48, 16), nn.GELU(), Conv1D(16, 48))
+    _check(plain, torch.randn(3, 20, 16), AUTOCAST[autocast], floor=30.0)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, h=32, i=88, bias=False, act=nn.SiLU):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.act_fn = act()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _gelu_new():
+    return pytest.importorskip("transformers.activations").NewGELUActivation()
+
+
+@pytest.mark.parametrize("autocast", AUTOCAST, ids=str)
+@pytest.mark.parametrize("act", ["silu", "gelu_new"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gated_mlp_block(bias, act, autocast):
+    from mesa_lite.integrations.transformers import GatedMlp
+
+    torch.manual_seed(0)
+    mlp = GatedMLP(bias=bias, act=nn.SiLU if act == "silu" else _gelu_new)
+    plain = nn.Sequential(HFStyleRMSNorm(32), mlp)
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain))
+    assert isinstance(wrapped[1], GatedMlp)
+    _check(plain, torch.randn(3, 20, 32) * 2, AUTOCAST[autocast], floor=30.0)
+    x = torch.randn(4, 64, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept, _ = saved_activation_bytes(lambda: wrapped(x), params=list(wrapped.parameters()))
+    rows = 4 * 64  # the norm's codes (shared by gate and up), gate and up at 8 bits
+    assert kept <= rows * (32 + 2 * 88) * 1.1 + rows * 4, kept
+
+
+def test_gated_mlp_frozen_and_with_hooks_runs_per_op():
+    torch.manual_seed(0)
+    plain = GatedMLP()
+    for p in plain.gate_proj.parameters():
+        p.requires_grad_(False)
+    _check(plain, torch.randn(3, 20, 32), None, floor=30.0)
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain))
+    wrapped.up_proj.register_forward_hook(lambda m, i, o: o * 2)
+    x = torch.randn(2, 5, 32)
+    ref = plain.down_proj(plain.act_fn(plain.gate_proj(x)) * plain.up_proj(x) * 2)
+    assert_equal(wrapped(x), ref, "the hook ran (per-op path)")
+
+
+def test_gated_mlp_recognised_by_behaviour_not_name():
+    """A module with the same layer names that computes something else is not fused."""
+    from mesa_lite.integrations.transformers import GatedMlp
+
+    class NotGated(GatedMLP):
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) + self.up_proj(x))
+
+    torch.manual_seed(0)
+    wrapped = mesa_lite.wrap(NotGated())
+    assert not isinstance(wrapped, GatedMlp)
