@@ -296,6 +296,11 @@ class MatMul(MesaModule, nn.Module):
         return matmul(a, b, self.mesa_spec if self.training else None)
 
 
+# activation classes whose forward is GELU, spelled in ops of its own: class -> approximate
+# ("none": the erf form, "tanh": the tanh form); the integrations fill it
+GELU_FORMS: dict[type, str] = {}
+
+
 class Activation(MesaModule, nn.Module):
     """An elementwise activation module (``nn.SiLU``, Hugging Face's GELU variants) keeping its
     input compressed: its own forward computes the output (bit for bit), backward
@@ -305,9 +310,10 @@ class Activation(MesaModule, nn.Module):
     mesa_kind = "gelu"
 
     def mesa_formula(self):
-        """``(fn, grad_fn)``: the module's own forward as a function of one tensor, and
-        ``(grad, x) -> input grad`` where a direct backward op exists (else None)."""
-        return super().forward, None
+        """``(fn, grad_fn)``: the module's own forward as a function of one tensor, and its
+        backward as ``ActivationFn`` takes it: GELU's ``approximate`` for the GELU formulas
+        ``GELU_FORMS`` lists, else None (autograd on the formula)."""
+        return super().forward, GELU_FORMS.get(self.__dict__.get("_mesa_orig_cls"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._mesa_active(x) or getattr(self, "inplace", False):

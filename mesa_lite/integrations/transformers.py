@@ -39,7 +39,15 @@ from torch.overrides import TorchFunctionMode
 
 from mesa_lite import blocks
 from mesa_lite.config import QuantSpec
-from mesa_lite.modules import Activation, FusedBlock, Linear, MesaModule, RMSNorm, SiLU
+from mesa_lite.modules import (
+    GELU_FORMS,
+    Activation,
+    FusedBlock,
+    Linear,
+    MesaModule,
+    RMSNorm,
+    SiLU,
+)
 from mesa_lite.ops.attention import scaled_dot_product_attention
 from mesa_lite.ops.common import autocast_dtype, needs_grad
 from mesa_lite.ops.cross_entropy import cross_entropy
@@ -57,10 +65,12 @@ except ImportError:  # pragma: no cover - transformers is optional
 
 __all__ = ["registrations", "structural", "block_matchers", "after_wrap", "after_unwrap"]
 
-_GELU_NAMES = (
-    "NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation",
-    "QuickGELUActivation", "GELUActivation", "AccurateGELUActivation",
-)  # fmt: skip
+# name -> the GELU its formula computes (None: another function, QuickGELU's x * sigmoid(1.702x))
+_GELU_NAMES = {
+    "NewGELUActivation": "tanh", "GELUTanh": "tanh", "PytorchGELUTanh": "tanh",
+    "FastGELUActivation": "tanh", "AccurateGELUActivation": "tanh", "GELUActivation": "none",
+    "QuickGELUActivation": None,
+}  # fmt: skip
 
 
 def registrations() -> list[tuple[type, type, str, object, str | None]]:
@@ -69,11 +79,13 @@ def registrations() -> list[tuple[type, type, str, object, str | None]]:
         return []
     regs = [(_Conv1D, Conv1D, "linear", None, None)]
     seen = set()
-    for name in _GELU_NAMES:
+    for name, approximate in _GELU_NAMES.items():
         cls = getattr(_acts, name, None)
         if cls is not None and cls not in seen:
             seen.add(cls)
             regs.append((cls, Activation, "gelu", None, None))
+            if approximate is not None:
+                GELU_FORMS[cls] = approximate
     silu = getattr(_acts, "SiLUActivation", None)
     if silu is not None and silu is not nn.SiLU:
         regs.append((silu, SiLU, "silu", None, None))
@@ -208,15 +220,52 @@ def _attention_candidate(module: nn.Module) -> bool:
 
 class HFAttention(MesaModule, nn.Module):
     """A Hugging Face attention module running its own forward with the attention functions
-    routed to mesa_lite's compressed forms (``_AttentionOps``)."""
+    routed to mesa_lite's compressed forms (``_AttentionOps``).
+
+    With the ``sdpa`` implementation only transformers' ``sdpa_attention_forward`` runs under
+    the mode (``_routed_sdpa`` stands in for it in transformers' table of attention functions
+    and passes every call of other modules through); with the others (``eager``) the whole
+    forward does, so that its matmuls, softmax and dropout are routed."""
 
     mesa_kind = "attention"
 
+    def _mesa_on(self) -> bool:
+        return self.mesa_spec is not None and self.training and torch.is_grad_enabled()
+
     def forward(self, *args, **kwargs):
-        if self.mesa_spec is None or not (self.training and torch.is_grad_enabled()):
+        if not self._mesa_on():
+            return super().forward(*args, **kwargs)
+        config = getattr(self, "config", None)
+        if getattr(config, "_attn_implementation", None) == "sdpa" and _route_sdpa():
             return super().forward(*args, **kwargs)
         with _AttentionOps(self.mesa_spec):
             return super().forward(*args, **kwargs)
+
+
+def _routed_sdpa(module, *args, **kwargs):
+    """transformers' ``sdpa_attention_forward`` under ``_AttentionOps`` for mesa_lite's
+    attention modules; itself for every other caller."""
+    if isinstance(module, HFAttention) and module._mesa_on():
+        with _AttentionOps(module.mesa_spec):
+            return _routed_sdpa.original(module, *args, **kwargs)
+    return _routed_sdpa.original(module, *args, **kwargs)
+
+
+def _route_sdpa() -> bool:
+    """Puts ``_routed_sdpa`` in transformers' table of attention functions for ``sdpa`` (once;
+    it changes nothing for modules mesa_lite did not convert); False where the table is not
+    there (the whole forward then runs under the mode)."""
+    try:
+        from transformers.modeling_utils import AttentionInterface
+    except ImportError:  # pragma: no cover - older transformers
+        return False
+    table = getattr(AttentionInterface, "_global_mapping", None)
+    if not isinstance(table, dict) or "sdpa" not in table:
+        return False
+    if table["sdpa"] is not _routed_sdpa:
+        _routed_sdpa.original = table["sdpa"]
+        table["sdpa"] = _routed_sdpa
+    return True
 
 
 # ---- gated MLP ------------------------------------------------------------------------------
@@ -255,8 +304,9 @@ class GatedMlp(FusedBlock, nn.Module):
         spec = _gated_spec(self) if self._mesa_block_active(x) else None
         if spec is None:
             return super().forward(x)
-        act = self.act_fn
-        fn, grad_fn = act.mesa_formula()
+        fn, grad_fn = self.act_fn.mesa_formula()
+        if isinstance(grad_fn, str) and spec.exact:
+            grad_fn = None  # debug_exact: the formula's own gradient, by autograd
         dtype = autocast_dtype("linear", x.device)
         gp, up, dp = self.gate_proj, self.up_proj, self.down_proj
         cfg = (dtype, fn, grad_fn, spec)
@@ -359,33 +409,41 @@ def _chunked(input, target, weight=None, size_average=None, ignore_index=-100, r
         return None
     if not (input.is_floating_point() and input.requires_grad and torch.is_grad_enabled()):
         return None
-    return cross_entropy(input, target, ignore_index, reduction)
+    # as F.cross_entropy itself: no cast of its own (autocast's policy decides, chunk by chunk)
+    return cross_entropy(input, target, ignore_index, reduction, upcast=False)
 
 
 class _LossHooks:
-    """The forward pre-hook and hook that hold ``_LossOps`` over a model's forward."""
+    """Hooks that hold ``_LossOps`` over the end of a model's forward: from the output of its
+    output embeddings (the logits' projection) to the end of its forward, where the loss is
+    computed. Only those few calls pass through the mode."""
 
     def __init__(self) -> None:
         self.modes: list[_LossOps] = []
+        self.depth = 0
 
-    def enter(self, module, args):
-        if module.training:
+    def start(self, module, args):
+        self.depth += 1
+
+    def logits(self, module, args, output):
+        if self.depth == 1 and not self.modes and module.training and torch.is_grad_enabled():
             mode = _LossOps()
             mode.__enter__()
             self.modes.append(mode)
 
-    def exit(self, module, args, output):
-        if self.modes:
+    def end(self, module, args, output):
+        self.depth -= 1
+        if self.depth == 0 and self.modes:
             self.modes.pop().__exit__(None, None, None)
 
 
 def _inline_loss_head(module: nn.Module) -> bool:
-    """A transformers model whose forward computes a cross-entropy itself (a ``...ForMaskedLM``
-    or other head that is not a causal LM)."""
+    """A transformers masked LM, whose forward computes its cross-entropy itself, after its
+    output embeddings."""
     return (
         type(module).__module__.startswith("transformers.models.")
-        and hasattr(type(module), "loss_function")
         and type(module).__name__.endswith("ForMaskedLM")
+        and callable(getattr(module, "get_output_embeddings", None))
     )
 
 
@@ -405,16 +463,21 @@ def after_wrap(model: nn.Module, config) -> int:
         if causal:
             module._loss_function = _CausalLMLoss(spec)
         else:
+            head = module.get_output_embeddings()
+            if head is None:
+                continue
             hooks = _LossHooks()
             module.__dict__["_mesa_loss_hooks"] = (
-                module.register_forward_pre_hook(hooks.enter),
-                module.register_forward_hook(hooks.exit, always_call=True),
+                module.register_forward_pre_hook(hooks.start),
+                head.register_forward_hook(hooks.logits),
+                module.register_forward_hook(hooks.end, always_call=True),
             )
         n += 1
     return n
 
 
 def after_unwrap(model: nn.Module) -> None:
+    """Removes what ``after_wrap`` set."""
     for module in model.modules():
         if isinstance(module.__dict__.get("_loss_function"), _CausalLMLoss):
             del module.__dict__["_loss_function"]

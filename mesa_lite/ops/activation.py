@@ -18,6 +18,7 @@ import torch
 from mesa_lite import quant
 from mesa_lite.config import QuantSpec
 from mesa_lite.ops.common import first_order_only, keep, plain_under_functorch
+from mesa_lite.ops.gelu import gelu_input_grad
 
 
 def autocast_state(device: torch.device) -> tuple:
@@ -61,8 +62,14 @@ class ActivationFn(torch.autograd.Function):
     producer registered for it, its recipe extended) and registering them as the rebuildable
     copy of the output, so the next Linear keeps no second copy.
 
-    ``grad_fn``: ``(grad, x) -> grad of x`` when the formula has its own backward op; None
-    differentiates ``fn`` with autograd.
+    ``grad_fn``: ``(grad, x) -> grad of x`` when the formula has its own backward op; a GELU
+    formula's ``approximate`` (``"none"``: the erf form, ``"tanh"``: the tanh form, however
+    its ops are spelled) when it is GELU's; None differentiates ``fn`` with autograd.
+
+    A GELU formula, compressed, takes GELU's kernels: backward in one pass from the codes, and
+    the next op rebuilds the output as GELU of the rebuilt input (a ``gelu`` recipe step) in
+    the dequantize kernel. In the exact (debug) mode every formula is differentiated with
+    autograd, so gradients are the formula's own bit for bit.
     """
 
     @staticmethod
@@ -71,8 +78,13 @@ class ActivationFn(torch.autograd.Function):
         out = fn(x)
         p = keep(x, spec, max_steps=quant.MAX_RECIPE_STEPS - 1)
         quant.save(ctx, p)
+        if isinstance(grad_fn, str) and spec.exact:
+            grad_fn = None
+        step = (
+            ("gelu", x.dtype, grad_fn) if isinstance(grad_fn, str) else ("act", x.dtype, fn, state)
+        )
         if out.shape == x.shape:
-            quant.share(out, p.derived(("act", x.dtype, fn, state), out.dtype))
+            quant.share(out, p.derived(step, out.dtype))
         ctx.fn, ctx.grad_fn, ctx.state, ctx.x_dtype = fn, grad_fn, state, x.dtype
         return out
 
@@ -80,6 +92,9 @@ class ActivationFn(torch.autograd.Function):
     @first_order_only
     def backward(ctx, grad):
         (px,) = quant.load(ctx)
+        if isinstance(ctx.grad_fn, str):  # GELU's fused backward from the codes
+            gx = gelu_input_grad(px, grad.to(ctx.x_dtype), ctx.grad_fn, ctx.x_dtype)
+            return gx, None, None, None
         x = quant.dequantize(px, ctx.x_dtype)
         return activation_grad(ctx.fn, ctx.grad_fn, ctx.state, x, grad), None, None, None
 
@@ -92,6 +107,8 @@ def run_activation(fn, x: torch.Tensor, state: tuple) -> torch.Tensor:
 def activation_grad(fn, grad_fn, state: tuple, x: torch.Tensor, grad: torch.Tensor):
     """The input gradient of ``fn`` at ``x``: ``grad_fn(grad, x)``, or (None) ``fn``
     differentiated by autograd under the forward's autocast ``state``."""
+    if isinstance(grad_fn, str):
+        return torch.ops.aten.gelu_backward(grad, x, approximate=grad_fn)
     if grad_fn is not None:
         return grad_fn(grad, x)
     with torch.enable_grad():

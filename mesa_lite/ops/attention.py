@@ -28,7 +28,11 @@ SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN = 1, 2, 3  # torch.nn.attention.SDPBacken
 
 def _keep_in_memory_order(t: torch.Tensor, spec: QuantSpec) -> tuple[quant.Packed, tuple]:
     """Quantizes ``t`` in its memory order (no copy when it is dense), so that backward can
-    rebuild a tensor with the same stride order (cuDNN's backward expects it)."""
+    rebuild a tensor with the same stride order (cuDNN's backward expects it). In the exact
+    mode ``t`` itself is kept: a permuted view of a Function's output saved for its backward
+    would tie the output to its own graph node, a cycle autograd frees only in backward."""
+    if spec.exact:
+        return quant.quantize(t, spec), tuple(range(t.dim()))
     order = quant.memory_order(t)
     return quant.quantize(t.permute(order), spec), order
 
@@ -240,8 +244,10 @@ class SDPAFn(torch.autograd.Function):
         kept, ctx.qkv_layout = keep_qkv(q, k, v, spec)
         ctx.n_qkv = len(kept)
         # the output, in memory order, is also the projection's input (timm reshapes it to
-        # (B, N, C), a view when the backend wrote it (B, N, H, D)-contiguous as cuDNN does)
-        quant.share(out, po, memory_order=True)
+        # (B, N, C), a view when the backend wrote it (B, N, H, D)-contiguous as cuDNN does);
+        # in the exact mode the projection keeps its input itself (see _keep_in_memory_order)
+        if not spec.exact:
+            quant.share(out, po, memory_order=True)
         quant.save(ctx, *kept, po, lse, mask, *extra)
         ctx.cfg = (backend, dropout_p, is_causal, scale)
         return out

@@ -12,9 +12,18 @@ import torch
 
 from mesa_lite.ops.common import first_order_only, plain_under_functorch
 
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
 
 def _weights(device: torch.device) -> torch.Tensor:
-    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+    """1, 2, 4, ..., 128 as uint8 on ``device``, made once per device: built from a Python
+    list on each call it would be a host-to-device copy, which waits for the GPU's queue."""
+    w = _WEIGHTS.get(device)
+    if w is None:
+        w = _WEIGHTS[device] = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).to(
+            device
+        )
+    return w
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:

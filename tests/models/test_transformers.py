@@ -85,9 +85,11 @@ def _batch(seed=0, pad=False):
     return kw
 
 
-def _step(model, batch, autocast=torch.bfloat16, seed=1):
+def _step(model, batch, autocast=torch.bfloat16, seed=1, device="cpu"):
+    model.to(device)
+    batch = {k: v.to(device) for k, v in batch.items()}
     torch.manual_seed(seed)
-    with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+    with torch.autocast(device, dtype=autocast or torch.float32, enabled=autocast is not None):
         out = model(**batch)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -107,12 +109,12 @@ def _worst_sqnr(ref: dict, got: dict) -> tuple[float, str]:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_forward_equal_and_grads_within_floor(family):
+def test_forward_equal_and_grads_within_floor(family, device):
     plain = _model(family)
     wrapped = mesa_lite.wrap(_model(family))
     batch = _batch()
-    loss0, logits0, g0 = _step(plain, batch)
-    loss1, logits1, g1 = _step(wrapped, batch)
+    loss0, logits0, g0 = _step(plain, batch, device=device.type)
+    loss1, logits1, g1 = _step(wrapped, batch, device=device.type)
     assert_equal(logits1, logits0, "logits")
     # the chunked causal-LM loss sums chunk by chunk: equal within fp32 rounding
     assert torch.allclose(loss1, loss0, rtol=1e-6, atol=0), (loss1, loss0)
@@ -122,12 +124,12 @@ def test_forward_equal_and_grads_within_floor(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_debug_exact_is_bit_exact(family):
+def test_debug_exact_is_bit_exact(family, device):
     plain = _model(family)
     wrapped = mesa_lite.wrap(_model(family), Config(debug_exact=True))
     batch = _batch(pad=family != "gpt2")
-    loss0, logits0, g0 = _step(plain, batch)
-    loss1, logits1, g1 = _step(wrapped, batch)
+    loss0, logits0, g0 = _step(plain, batch, device=device.type)
+    loss1, logits1, g1 = _step(wrapped, batch, device=device.type)
     assert_equal(logits1, logits0, "logits")
     assert_equal(loss1, loss0, "loss")
     for n, a in g0.items():
@@ -169,7 +171,7 @@ def test_what_wrap_converts(caplog):
     }
 
 
-def test_padding_mask_and_gqa_run_compressed(monkeypatch):
+def test_padding_mask_and_gqa_run_compressed(monkeypatch, device):
     """A padded batch sends a boolean mask to SDPA, Llama's grouped k/v heads go through
     ``enable_gqa`` or transformers' repeat: both run the compressed Function."""
     from mesa_lite.ops import attention
@@ -181,8 +183,8 @@ def test_padding_mask_and_gqa_run_compressed(monkeypatch):
         calls.clear()
         plain, wrapped = _model("llama"), mesa_lite.wrap(_model("llama"))
         batch = _batch(pad=pad)
-        _, logits0, g0 = _step(plain, batch)
-        _, logits1, g1 = _step(wrapped, batch)
+        _, logits0, g0 = _step(plain, batch, device=device.type)
+        _, logits1, g1 = _step(wrapped, batch, device=device.type)
         assert_equal(logits1, logits0, "logits")
         assert len(calls) == 2 and all((m is not None) == pad for m in calls), calls
         assert _worst_sqnr(g0, g1)[0] >= FLOORS["llama"]
