@@ -36,8 +36,18 @@ setup(
             # the benchmark scripts' tests draw their charts and progress bars
             "matplotlib",
             "tqdm",
+            # the Hugging Face integration's tests; the version on the GPU image (newer releases
+            # are not tested)
+            "transformers>=5.0,<5.18",
         ],
-        "bench": ["timm>=1.0", "torchvision", "tqdm", "matplotlib", "scikit-learn>=1.0"],
+        "bench": [
+            "timm>=1.0",
+            "torchvision",
+            "tqdm",
+            "matplotlib",
+            "scikit-learn>=1.0",
+            "transformers>=5.0,<5.18",
+        ],  # fmt: skip
         "dev": ["ruff>=0.4", "pytest>=7", "hypothesis>=6", "timm>=1.0", "torchvision"],
     },
     entry_points={
@@ -52,10 +62,12 @@ setup(
                     "deit_memory",
                     "grad_fidelity",
                     "kernels",
+                    "llm_memory",
                     "overhead",
                     "peak_memory",
                     "profile_step",
                     "quant_bandwidth",
+                    "text_accuracy",
                     "train_deit",
                 )
             ),  # fmt: skip

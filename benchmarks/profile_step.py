@@ -5,11 +5,16 @@ mode the GPU kernel time per step and two profiler tables (by device time, by ho
 writes the same text to PREFIX.txt (a fresh runs/ folder unless --out names a prefix). GPU only.
 
   python benchmarks/profile_step.py --model deit_small_patch16_224 --dtype fp16 --attention fused
+  python benchmarks/profile_step.py --model gpt2 --dtype bf16 --batch-size 8 --seq 1024
+
+--model takes a timm model or one of benchmarks/llm_memory.py's Hugging Face models (gpt2,
+gpt2-medium, llama-1b, bert, ...: random tokens, --seq long, the model's own loss).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -31,6 +36,7 @@ from .common import (
     torch_dtype,
 )
 from .deit_memory import _train_step, make_model
+from .llm_memory import MODELS as LLM_MODELS
 
 torch = lazy_import("torch")
 gq = lazy_import("mesa_lite.kernels.group_quant")
@@ -62,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="autocast dtype (fp32: no autocast)")  # fmt: skip
     p.add_argument("--attention", choices=["fused", "explicit"], default="fused",
                    help="timm attention mode")  # fmt: skip
-    p.add_argument("--batch-size", type=positive_int, default=128, help="images per step")
+    p.add_argument("--batch-size", type=positive_int, default=128,
+                   help="images (sequences, for a language model) per step")  # fmt: skip
+    p.add_argument("--seq", type=positive_int, default=1024,
+                   help="tokens per sequence (language models)")  # fmt: skip
     p.add_argument("--modes", nargs="+", choices=["amp", "mesa"], default=["amp", "mesa"],
                    help="amp = plain training, mesa = wrapped with the default Config")  # fmt: skip
     p.add_argument("--rows", type=positive_int, default=18, help="rows of each profiler table")
@@ -75,8 +84,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
-    check_timm_models(p, args.model)
+    if args.model not in LLM_MODELS:
+        check_timm_models(p, args.model)
     return args
+
+
+def _llm_stepper(args, mode: str):
+    """A language model of llm_memory.py (``mesa``: wrapped at 8 bits) and its train step."""
+    from mesa_lite.breakdown import train_step
+
+    from . import llm_memory as lm
+    from .common import autocast
+
+    config = lm.make_config(args.model)
+    model = lm.make_model(args.model, "int8" if mode == "mesa" else "plain", config=config).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids, labels = lm.make_inputs(config, args.batch_size, args.seq, torch.device("cuda"))
+
+    def step_fn(m):
+        with autocast("cuda", args.dtype):
+            return m(input_ids=ids, labels=labels).loss
+
+    return lambda: train_step(model, step_fn, opt, set_to_none=False)
 
 
 def run(argv=None) -> str:
@@ -92,20 +121,25 @@ def run(argv=None) -> str:
     emit(f"host us per call: {overhead}")
     dtype = torch_dtype(args.dtype)
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch_size, 3, 224, 224, generator=g).cuda()
-    y = torch.randint(0, 1000, (args.batch_size,), generator=g).cuda()
+    if args.model not in LLM_MODELS:
+        x = torch.randn(args.batch_size, 3, 224, 224, generator=g).cuda()
+        y = torch.randint(0, 1000, (args.batch_size,), generator=g).cuda()
     kernel_time = {}
     for mode in progress(args.modes, desc="modes", unit="mode"):
-        model = make_model(args.model, args.attention, mode, 224).cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+        if args.model in LLM_MODELS:
+            step = _llm_stepper(args, mode)
+        else:
+            model = make_model(args.model, args.attention, mode, 224).cuda()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
+            step = functools.partial(_train_step, model, opt, scaler, x, y, dtype)
         for _ in range(3):
-            _train_step(model, opt, scaler, x, y, dtype)
+            step()
         torch.cuda.synchronize()
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
             for _ in range(3):
-                _train_step(model, opt, scaler, x, y, dtype)
+                step()
             torch.cuda.synchronize()
         avg = prof.key_averages()
         kernel_time[mode] = kernel_ms(prof.events()) / 3
@@ -114,7 +148,7 @@ def run(argv=None) -> str:
                        max_name_column_width=50))  # fmt: skip
         emit(avg.table(sort_by="self_cpu_time_total", row_limit=args.rows,
                        max_name_column_width=50))  # fmt: skip
-        del model, opt
+        del step
     if len(kernel_time) == 2:
         ratio = kernel_time["mesa"] / kernel_time["amp"]
         emit(f"\nGPU kernel time per step, mesa / amp: {ratio:.2f}x")

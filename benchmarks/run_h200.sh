@@ -2,7 +2,7 @@
 # One GPU session: the kernel and CUDA tests with compiled Triton kernels, then the benchmarks.
 # Run from the repository root on a GPU machine; writes logs and results under $OUT (default
 # ./out, a fixed folder: the GPU results committed in benchmarks/results/ were copied from it).
-#   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|main|coverage|speed|all] [extra deit_memory args...]
+#   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|main|coverage|speed|llm|text|all] [extra deit_memory args...]
 # suite: the whole test suite (CPU and CUDA parametrizations), in parallel processes.
 # main: the Quickstart's main job as a new user runs it (python benchmarks/deit_memory.py, its
 #   GPU default), timed; coverage: benchmarks/coverage.py (timm and Hugging Face models).
@@ -59,6 +59,43 @@ if [[ $what == speed ]]; then
   python3 benchmarks/overhead.py --dtype fp16 --out "$OUT/overhead_gpu" 2>&1 | tail -n 11
   python3 benchmarks/kernels.py --out "$OUT/kernels_gpu" 2>&1 | tail -n 40
   rm -f "$OUT/gpu.txt" "$OUT/overhead_gpu.jsonl"  # eight files come back
+fi
+if [[ $what == llm ]]; then
+  # issue 13: the language-model tests on CUDA, the memory and step-time rows (GPT-2 small and
+  # medium at seq 1024, the Llama-shaped 1B at seq 2048, BERT base at 512; the README's two
+  # breakdowns), profiles of one step; text: the accuracy study on real text. Everything is
+  # packed into one llm_results.tgz (the device tool brings back at most 8 files).
+  W="$OUT/llm"
+  mkdir -p "$W"
+  python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/models/test_transformers.py \
+    tests/test_attention.py -k cuda > "$W/llm_cuda_tests.txt" 2>&1
+  python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/test_composition.py \
+    -k "language_model and cuda" >> "$W/llm_cuda_tests.txt" 2>&1
+  grep -E "passed|failed|Error" "$W/llm_cuda_tests.txt" | tail -n 8
+  python3 benchmarks/llm_memory.py --models gpt2 gpt2-medium --batch 8 --seq 1024 \
+    --out "$W/llm_memory_gpu_gpt2" 2>&1 | grep -E "^\| (gpt2|model)"
+  python3 benchmarks/llm_memory.py --models llama-1b --batch 4 --seq 2048 \
+    --out "$W/llm_memory_gpu_llama" 2>&1 | grep -E "^\| (llama|model)"
+  python3 benchmarks/llm_memory.py --models bert --batch 8 --seq 512 \
+    --out "$W/llm_memory_gpu_bert" 2>&1 | grep -E "^\| (bert|model)"
+  python3 benchmarks/llm_memory.py --models gpt2-medium --batch 4 --seq 512 --modes plain int8 \
+    --out "$W/llm_breakdown_gpt2_medium" > /dev/null 2>&1
+  python3 benchmarks/llm_memory.py --models llama-1b --batch 8 --seq 512 --modes plain int8 \
+    --out "$W/llm_breakdown_llama" > /dev/null 2>&1
+  for m in "gpt2 8 1024" "llama-1b 4 2048" "bert 8 512"; do
+    set -- $m
+    python3 benchmarks/profile_step.py --model "$1" --dtype bf16 --batch-size "$2" --seq "$3" \
+      --out "$W/llm_profile_$1" > /dev/null 2>&1
+  done
+  grep -E "GPU kernel time" "$W"/llm_profile_*.txt
+  tar czf "$OUT/llm_results.tgz" -C "$W" . && rm -rf "$W"
+  rm -f "$OUT/gpu.txt"
+fi
+if [[ $what == text ]]; then
+  python3 benchmarks/text_accuracy.py --device cuda --steps 1200 --n-layer 4 --n-embd 384 \
+    --n-head 6 --seq 256 --batch 64 --lr 1e-3 --eval-every 100 --seeds 0 1 2 \
+    --out "$OUT/text_accuracy_gpu" 2>&1 | tail -n 12
+  rm -f "$OUT/gpu.txt"
 fi
 if [[ $what == main ]]; then
   start=$(date +%s)

@@ -28,6 +28,8 @@ _WHERE = {
     "Softmax": "mesa_lite.modules",
     "MemoryReport": "mesa_lite.report",
     "memory_report": "mesa_lite.report",
+    "MemoryBreakdown": "mesa_lite.breakdown",
+    "memory_breakdown": "mesa_lite.breakdown",
     "register": "mesa_lite.wrap",
     "unwrap": "mesa_lite.wrap",
     "wrap": "mesa_lite.wrap",
@@ -39,6 +41,7 @@ __all__ = sorted([*_WHERE, "__version__"])
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads these
     from mesa_lite import report  # noqa: F401
+    from mesa_lite.breakdown import MemoryBreakdown, memory_breakdown  # noqa: F401
     from mesa_lite.config import LAYER_KINDS, Config, QuantSpec  # noqa: F401
     from mesa_lite.modules import GELU, LayerNorm, Linear, MatMul, Softmax  # noqa: F401
     from mesa_lite.report import MemoryReport, memory_report  # noqa: F401

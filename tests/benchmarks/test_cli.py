@@ -17,8 +17,9 @@ import pytest
 from benchmarks import common
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ["ablate", "accuracy", "coverage", "deit_memory", "grad_fidelity", "kernels", "overhead",
-           "peak_memory", "profile_step", "quant_bandwidth", "train_deit"]  # fmt: skip
+SCRIPTS = ["ablate", "accuracy", "coverage", "deit_memory", "grad_fidelity", "kernels",
+           "llm_memory", "overhead", "peak_memory", "profile_step", "quant_bandwidth",
+           "text_accuracy", "train_deit"]  # fmt: skip
 # console script -> the module:function setup.py points it at
 ENTRY_POINTS = {
     f"mesa-lite-{s.replace('_', '-')}": f"mesa_lite.benchmarks.{s}:main" for s in SCRIPTS
