@@ -2,7 +2,7 @@
 # One GPU session: the kernel and CUDA tests with compiled Triton kernels, then the benchmarks.
 # Run from the repository root on a GPU machine; writes logs and results under $OUT (default
 # ./out, a fixed folder: the GPU results committed in benchmarks/results/ were copied from it).
-#   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|main|coverage|speed|llm|text|all] [extra deit_memory args...]
+#   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|main|coverage|speed|llm|text|dist|all] [extra deit_memory args...]
 # suite: the whole test suite (CPU and CUDA parametrizations), in parallel processes.
 # main: the Quickstart's main job as a new user runs it (python benchmarks/deit_memory.py, its
 #   GPU default), timed; coverage: benchmarks/coverage.py (timm and Hugging Face models).
@@ -96,6 +96,25 @@ if [[ $what == text ]]; then
     --n-head 6 --seq 256 --batch 64 --lr 1e-3 --eval-every 100 --seeds 0 1 2 \
     --out "$OUT/text_accuracy_gpu" 2>&1 | tail -n 12
   rm -f "$OUT/gpu.txt"
+fi
+if [[ $what == dist ]]; then
+  # issue 14, on a machine with 2+ GPUs: DeiT-B, batch 128 per GPU, bf16, plain and mesa_lite,
+  # one GPU and DDP and FSDP2 over all GPUs (train_deit.py's log lines give every rank's
+  # max mem and the step time); one archive comes back
+  W="$OUT/dist"
+  mkdir -p "$W"
+  n=$(nvidia-smi -L | wc -l)
+  common="--model deit_base_patch16_224 --dtype bf16 --batch-size 128 --max-steps 40 --log-every 10 --workers 2 --synthetic-size 12800"
+  for m in --no-mesa --mesa; do
+    python3 benchmarks/train_deit.py $common $m --output "$W/single$m" > "$W/single$m.txt" 2>&1
+    for d in ddp fsdp; do
+      torchrun --nproc_per_node="$n" benchmarks/train_deit.py $common --dist $d $m \
+        --output "$W/$d$m" > "$W/$d$m.txt" 2>&1
+    done
+  done
+  grep -h -E "\[  *30/|max mem" "$W"/*.txt | tail -n 12
+  rm -rf "$W"/*/checkpoint*
+  tar czf "$OUT/dist_results.tgz" -C "$W" . && rm -rf "$W"
 fi
 if [[ $what == main ]]; then
   start=$(date +%s)
