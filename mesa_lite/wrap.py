@@ -315,10 +315,9 @@ def wrap(
             stacklevel=2,
         )
     _fuse_blocks(model)
-    losses = _transformers.after_wrap(model, config)
-    if losses:
-        converted["loss"] += losses
-        specs[config.spec_for("", "loss").describe()] += losses
+    for spec in _transformers.after_wrap(model, config, filter_fn):
+        converted["loss"] += 1
+        specs[spec.describe()] += 1
     line = _summary(
         type(model).__name__, converted, specs, exact, skipped, built, (before, changed, back)
     )

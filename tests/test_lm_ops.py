@@ -268,3 +268,38 @@ def test_gated_mlp_recognised_by_behaviour_not_name():
     torch.manual_seed(0)
     wrapped = mesa_lite.wrap(NotGated())
     assert not isinstance(wrapped, GatedMlp)
+
+
+# ---- regressions found by review -------------------------------------------------------------
+
+
+def test_chunked_cross_entropy_with_every_label_ignored_gives_zero_gradients():
+    """PyTorch's loss is NaN and its gradients 0 (an all-prompt micro-batch); NaN gradients
+    would wreck the optimizer step."""
+    logits = torch.randn(6, 11, requires_grad=True)
+    labels = torch.full((6,), -100)
+    loss = ce.cross_entropy(logits, labels)
+    assert torch.isnan(loss)
+    loss.backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_conv1d_with_an_input_that_needs_no_grad():
+    """A trained Conv1D after frozen layers (LoRA-style fine-tuning): the weight's gradient
+    from the kept input, no input gradient."""
+    Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    torch.manual_seed(0)
+    plain = Conv1D(8, 4)
+    x = torch.randn(3, 5, 4)  # needs no grad
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain))
+    plain(x).sum().backward()
+    wrapped(x).sum().backward()
+    assert sqnr_db(plain.weight.grad, wrapped.weight.grad) > 30
+    assert_equal(wrapped.bias.grad, plain.bias.grad, "bias grad")
+
+
+@pytest.mark.parametrize("kind", ["hf", "torch"])
+def test_rms_norm_on_an_unbatched_input(kind):
+    torch.manual_seed(0)
+    norm = HFStyleRMSNorm(16) if kind == "hf" else nn.RMSNorm(16, eps=1e-6)
+    _check(norm, torch.randn(16) * 2, None, floor=30.0)

@@ -361,12 +361,22 @@ def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None,
 
 
 class _CausalLMLoss:
-    """The ``loss_function`` ``wrap`` gives a causal LM (picklable; ``unwrap`` removes it)."""
+    """The ``loss_function`` ``wrap`` gives a causal LM (picklable; ``unwrap`` removes it): the
+    chunked loss in training, transformers' own in eval mode (``track``, a forward pre-hook on
+    the model, records which), where every wrapped layer runs plain too."""
 
     def __init__(self, spec: QuantSpec) -> None:
         self.spec = spec
+        self.training = True
+
+    def track(self, module, args) -> None:
+        self.training = module.training
 
     def __call__(self, logits, labels, vocab_size: int, **kwargs):
+        if not self.training:
+            from transformers.loss.loss_utils import ForCausalLMLoss
+
+            return ForCausalLMLoss(logits, labels, vocab_size, **kwargs)
         return causal_lm_loss(logits, labels, vocab_size, **kwargs)
 
 
@@ -447,21 +457,24 @@ def _inline_loss_head(module: nn.Module) -> bool:
     )
 
 
-def after_wrap(model: nn.Module, config) -> int:
+def after_wrap(model: nn.Module, config, filter_fn=None) -> list:
     """Sets the chunked loss on the language models in ``model`` (the ``loss_function`` of
-    causal LMs, a ``_LossOps`` over the forward of masked LMs); returns how many."""
+    causal LMs, a ``_LossOps`` over the forward of masked LMs) that ``config`` and
+    ``filter_fn`` leave to compress; returns their specs."""
     after_unwrap(model)
-    n = 0
+    specs = []
     for name, module in model.named_modules():
         causal = _causal_lm(module)
         if not (causal or _inline_loss_head(module)):
             continue
         spec = config.spec_for(name, "loss")
         # the chunked sum is not bit for bit: debug_exact keeps transformers' own loss
-        if spec is None or spec.exact:
+        if spec is None or spec.exact or (filter_fn is not None and not filter_fn(name, module)):
             continue
         if causal:
-            module._loss_function = _CausalLMLoss(spec)
+            loss = _CausalLMLoss(spec)
+            module._loss_function = loss
+            module.__dict__["_mesa_loss_hooks"] = (module.register_forward_pre_hook(loss.track),)
         else:
             head = module.get_output_embeddings()
             if head is None:
@@ -472,8 +485,8 @@ def after_wrap(model: nn.Module, config) -> int:
                 head.register_forward_hook(hooks.logits),
                 module.register_forward_hook(hooks.end, always_call=True),
             )
-        n += 1
-    return n
+        specs.append(spec)
+    return specs
 
 
 def after_unwrap(model: nn.Module) -> None:

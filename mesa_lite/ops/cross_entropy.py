@@ -64,8 +64,8 @@ class ChunkedCrossEntropyFn(torch.autograd.Function):
         logits, labels = ctx.saved_tensors
         n, vocab = logits.shape
         scale = grad.float()
-        if ctx.reduction == "mean":
-            scale = scale / ctx.count
+        if ctx.reduction == "mean":  # no label left: PyTorch's gradient is 0 (the loss is NaN)
+            scale = scale / ctx.count.clamp_min(1)
         out = torch.empty_like(logits)
         for a, b in _chunks(n, vocab):
             lab = labels[a:b]

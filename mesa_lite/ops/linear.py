@@ -118,9 +118,10 @@ class AddmmFn(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[0]
         px = keep(x, spec, share_key=shares[0]) if need_x else None
         quant.save(ctx, px, weight if need_w else None)
-        ctx.dtype, ctx.x_dtype = dtype, x.dtype
+        ctx.dtype, ctx.x_dtype, ctx.w_dtype = dtype, x.dtype, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
         ctx.x_col_major = _folded_col_major(x2)
+        ctx.w_col_major = weight.stride(0) == 1 and weight.stride(1) == weight.shape[0]
         return fresh(out.view(*x.shape[:-1], out.shape[-1]))
 
     @staticmethod
@@ -136,11 +137,11 @@ class AddmmFn(torch.autograd.Function):
             gx = gx.reshape(*grad.shape[:-1], w.shape[0])
         if n[1]:  # mm_mat2_backward, the weight (in, out) row-major
             x2 = quant.dequantize(px, ctx.x_dtype).reshape(-1, px.shape[-1])
-            if weight.stride(0) == 1 and weight.stride(1) == weight.shape[0]:
-                gw = g2.t().mm(x2).t()  # a column-major weight gets a column-major gradient
+            if ctx.w_col_major:  # a column-major weight gets a column-major gradient
+                gw = g2.t().mm(x2).t()
             else:
                 gw = x2.t().mm(g2)
-            gw = gw.to(weight.dtype)
+            gw = gw.to(ctx.w_dtype)
         if ctx.b_dtype is not None and n[2]:
             gb = g2.sum(0).to(ctx.b_dtype)
         return gx, gw, gb, None, None, None

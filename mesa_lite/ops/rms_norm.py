@@ -100,15 +100,19 @@ class RMSNormFn(torch.autograd.Function):
         h = quant.dequantize(p, torch.float32)
         red = tuple(range(-dims, 0))
         lead = tuple(range(h.dim() - dims))
+
+        def sum_lead(t):  # over the leading dims; an unbatched input has none
+            return t.sum(lead) if lead else t
+
         if form == "hf":
             hd = h.to(x_dtype)
-            g_w = (grad * hd).sum(lead).to(weight.dtype) if need_w else None
+            g_w = sum_lead(grad * hd).to(weight.dtype) if need_w else None
             g_h = (grad * weight).to(x_dtype).float()
         else:
             g = grad.float()
             g_w = None
             if weight is not None and need_w:
-                g_w = (g * h).sum(lead).to(weight.dtype)
+                g_w = sum_lead(g * h).to(weight.dtype)
             g_h = g if weight is None else g * weight.float()
         g_x = None
         if need_x:

@@ -253,3 +253,39 @@ def test_other_rms_norm_forms_are_skipped_and_named(caplog):
     assert "GemmaLikeRMSNorm x1 (RMSNorm whose forward is not the Hugging Face formula)" in (
         caplog.text
     )
+
+
+def test_eval_mode_loss_is_transformers_own(monkeypatch):
+    """In eval mode with grad enabled every wrapped layer runs plain, and so does the loss: bit
+    for bit (the chunked loss would differ in the last bits when it chunks)."""
+    from mesa_lite.ops import cross_entropy as ce
+
+    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", VOCAB * 4)  # 4 rows a chunk, as a big vocabulary
+    plain, wrapped = _model("llama").eval(), mesa_lite.wrap(_model("llama")).eval()
+    batch = _batch()
+    assert_equal(wrapped(**batch).loss, plain(**batch).loss, "eval loss")
+    wrapped.train()  # and in training the chunked loss again
+    assert "ChunkedCrossEntropy" in type(wrapped(**batch).loss.grad_fn).__name__
+
+
+def test_filter_fn_and_overrides_decide_the_loss_too(caplog):
+    import logging
+
+    from mesa_lite.integrations import transformers as hf
+
+    model = mesa_lite.wrap(_model("gpt2"), filter_fn=lambda name, m: False)
+    assert "_loss_function" not in model.__dict__
+
+    class Outer(torch.nn.Module):  # a user's module holding a causal LM
+        def __init__(self):
+            super().__init__()
+            self.lm = _model("gpt2")
+            self.head = torch.nn.Linear(64, 2)
+
+    outer = Outer()
+    cfg = Config(overrides={"*": {"enabled": False}, "lm*": {"enabled": True}})
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        mesa_lite.wrap(outer, cfg)
+    assert isinstance(outer.lm.loss_function, hf._CausalLMLoss)
+    assert "loss 1" in caplog.text
+    assert type(outer.head) is torch.nn.Linear
