@@ -282,6 +282,10 @@ def test_chunked_cross_entropy_with_every_label_ignored_gives_zero_gradients():
     assert torch.isnan(loss)
     loss.backward()
     assert torch.equal(logits.grad, torch.zeros_like(logits))
+    # "sum" divided by num_items_in_batch = 0 (transformers' Trainer on such a batch)
+    logits.grad = None
+    (ce.cross_entropy(logits, labels, reduction="sum") / torch.tensor(0.0)).backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
 
 
 def test_conv1d_with_an_input_that_needs_no_grad():

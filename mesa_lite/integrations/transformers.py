@@ -283,7 +283,7 @@ def _gated_matches(module: nn.Module) -> bool:
     g = torch.Generator(device="cpu").manual_seed(0)
     w = module.gate_proj.weight
     x = torch.randn(2, 3, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
-    was = module.training
+    modes = {m: m.training for m in module.modules()}
     try:
         module.eval()
         with torch.no_grad():
@@ -293,7 +293,8 @@ def _gated_matches(module: nn.Module) -> bool:
     except Exception:  # noqa: BLE001 - a forward that fails on a probe is not the formula
         return False
     finally:
-        module.train(was)
+        for m, training in modes.items():  # each as it was (train() would set them all)
+            m.training = training
 
 
 class GatedMlp(FusedBlock, nn.Module):

@@ -69,10 +69,13 @@ class ChunkedCrossEntropyFn(torch.autograd.Function):
         out = torch.empty_like(logits)
         for a, b in _chunks(n, vocab):
             lab = labels[a:b]
-            keep = lab.ne(ctx.ignore_index).float().unsqueeze(1)
+            keep = lab.ne(ctx.ignore_index).unsqueeze(1)
             g = torch.softmax(logits[a:b].float(), -1)
-            g.scatter_add_(1, lab.clamp(0, vocab - 1).unsqueeze(1), -keep)
-            torch.mul(g, keep * scale, out=g)
+            g.scatter_add_(1, lab.clamp(0, vocab - 1).unsqueeze(1), -keep.float())
+            g.mul_(scale)
+            # ignored rows get 0, as in PyTorch, even where the scale is not finite (a sum
+            # divided by num_items_in_batch = 0 when every label is ignored)
+            g.masked_fill_(~keep, 0.0)
             out[a:b] = g
         return out, None, None, None, None
 
