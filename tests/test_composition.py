@@ -205,7 +205,10 @@ def _lm_pairs():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ops", _lm_pairs(), ids="-".join)
 def test_language_model_op_pairs(ops, device):
-    check_chain(ops, device)
+    # debug_exact under bf16 autocast only (the stricter of the two exact modes; the pairs and
+    # triples above cover fp32 exact for the core ops), to keep CI within its time
+    modes = CUDA_MODES if device == "cuda" else MODES
+    check_chain(ops, device, {k: v for k, v in modes.items() if k != "exact-fp32"})
 
 
 @pytest.mark.parametrize(
