@@ -315,9 +315,12 @@ def wrap(
             stacklevel=2,
         )
     _fuse_blocks(model)
-    for spec in _transformers.after_wrap(model, config, filter_fn):
+    losses, losses_exact = _transformers.after_wrap(model, config, filter_fn)
+    for spec in losses:
         converted["loss"] += 1
         specs[spec.describe()] += 1
+    if losses_exact:
+        exact["loss"] += losses_exact
     line = _summary(
         type(model).__name__, converted, specs, exact, skipped, built, (before, changed, back)
     )

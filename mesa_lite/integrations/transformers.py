@@ -458,19 +458,22 @@ def _inline_loss_head(module: nn.Module) -> bool:
     )
 
 
-def after_wrap(model: nn.Module, config, filter_fn=None) -> list:
+def after_wrap(model: nn.Module, config, filter_fn=None) -> tuple[list, int]:
     """Sets the chunked loss on the language models in ``model`` (the ``loss_function`` of
     causal LMs, a ``_LossOps`` over the forward of masked LMs) that ``config`` and
-    ``filter_fn`` leave to compress; returns their specs."""
+    ``filter_fn`` leave to compress; returns their specs and how many losses ``config`` or
+    ``filter_fn`` left exact."""
     after_unwrap(model)
-    specs = []
+    specs, exact = [], 0
     for name, module in model.named_modules():
         causal = _causal_lm(module)
         if not (causal or _inline_loss_head(module)):
             continue
         spec = config.spec_for(name, "loss")
-        # the chunked sum is not bit for bit: debug_exact keeps transformers' own loss
-        if spec is None or spec.exact or (filter_fn is not None and not filter_fn(name, module)):
+        if spec is None or (filter_fn is not None and not filter_fn(name, module)):
+            exact += 1
+            continue
+        if spec.exact:  # the chunked sum is not bit for bit: debug_exact keeps transformers'
             continue
         if causal:
             loss = _CausalLMLoss(spec)
@@ -487,7 +490,7 @@ def after_wrap(model: nn.Module, config, filter_fn=None) -> list:
                 module.register_forward_hook(hooks.end, always_call=True),
             )
         specs.append(spec)
-    return specs
+    return specs, exact
 
 
 def after_unwrap(model: nn.Module) -> None:

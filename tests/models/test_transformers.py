@@ -273,8 +273,11 @@ def test_filter_fn_and_overrides_decide_the_loss_too(caplog):
 
     from mesa_lite.integrations import transformers as hf
 
-    model = mesa_lite.wrap(_model("gpt2"), filter_fn=lambda name, m: False)
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        model = mesa_lite.wrap(_model("gpt2"), filter_fn=lambda name, m: False)
     assert "_loss_function" not in model.__dict__
+    assert "loss 1)" in caplog.text.split("left exact by config")[1]  # said, not silent
+    caplog.clear()
 
     class Outer(torch.nn.Module):  # a user's module holding a causal LM
         def __init__(self):
