@@ -343,6 +343,12 @@ class Dropout(MesaModule, nn.Dropout):
         return dropout(x, self.p, self.training, self.inplace)
 
 
+def rms_eps(module: nn.Module):
+    """A Hugging Face RMSNorm's epsilon: ``variance_epsilon`` (Llama and its copies) or
+    ``eps``; None when it has neither."""
+    return getattr(module, "variance_epsilon", getattr(module, "eps", None))
+
+
 class RMSNorm(MesaModule, nn.Module):
     """An RMSNorm keeping its normalized input compressed plus fp32 rstd: ``torch.nn.RMSNorm``
     (``F.rms_norm``) and the Hugging Face form (``LlamaRMSNorm`` and its copies: weight
@@ -353,8 +359,7 @@ class RMSNorm(MesaModule, nn.Module):
     def _mesa_rms_cfg(self):
         if isinstance(self, nn.RMSNorm):
             return "torch", self.eps, len(self.normalized_shape)
-        eps = getattr(self, "variance_epsilon", getattr(self, "eps", None))
-        return "hf", eps, 1
+        return "hf", rms_eps(self), 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight

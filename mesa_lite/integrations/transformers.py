@@ -47,7 +47,9 @@ from mesa_lite.modules import (
     MesaModule,
     RMSNorm,
     SiLU,
+    rms_eps,
 )
+from mesa_lite.ops.activation import backward_for
 from mesa_lite.ops.attention import scaled_dot_product_attention
 from mesa_lite.ops.common import autocast_dtype, needs_grad
 from mesa_lite.ops.cross_entropy import cross_entropy
@@ -109,10 +111,10 @@ if _Conv1D is not None:
 # ---- recognised by structure ----------------------------------------------------------------
 
 
-def _probe_inputs(weight: torch.Tensor):
+def _probe(width: int, device: torch.device) -> torch.Tensor:
+    """The fixed fp32 input (2, 3, width) the structural checks run a module's forward on."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(2, 3, weight.shape[-1], generator=g).to(weight.device)
-    return [x, x.to(torch.bfloat16)]
+    return torch.randn(2, 3, width, generator=g).to(device)
 
 
 def _rms_matches(module: nn.Module) -> bool:
@@ -120,11 +122,12 @@ def _rms_matches(module: nn.Module) -> bool:
     probe inputs (fp32 and bf16)."""
     from mesa_lite.ops.rms_norm import rms_forward
 
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    eps = rms_eps(module)
     weight = module.weight
+    probe = _probe(weight.shape[-1], weight.device)
     try:
         with torch.no_grad():
-            for x in _probe_inputs(weight):
+            for x in (probe, probe.to(torch.bfloat16)):
                 want = type(module).forward(module, x)
                 got = rms_forward(x, weight, eps, "hf", 1)[0]
                 if want.dtype != got.dtype or not torch.equal(want, got):
@@ -138,7 +141,7 @@ def _rms_candidate(module: nn.Module) -> bool:
     if isinstance(module, nn.RMSNorm) or not type(module).__name__.endswith("RMSNorm"):
         return False
     weight = getattr(module, "weight", None)
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    eps = rms_eps(module)
     ok = isinstance(weight, torch.Tensor) and weight.dim() == 1 and isinstance(eps, float)
     return ok and len(list(module.children())) == 0
 
@@ -280,9 +283,8 @@ def _gated_candidate(module: nn.Module) -> bool:
 
 def _gated_matches(module: nn.Module) -> bool:
     """Whether ``module``'s forward is ``down(act(gate(x)) * up(x))`` bit for bit on a probe."""
-    g = torch.Generator(device="cpu").manual_seed(0)
     w = module.gate_proj.weight
-    x = torch.randn(2, 3, w.shape[1], generator=g).to(device=w.device, dtype=w.dtype)
+    x = _probe(w.shape[1], w.device).to(w.dtype)
     modes = {m: m.training for m in module.modules()}
     try:
         module.eval()
@@ -306,8 +308,7 @@ class GatedMlp(FusedBlock, nn.Module):
         if spec is None:
             return super().forward(x)
         fn, grad_fn = self.act_fn.mesa_formula()
-        if isinstance(grad_fn, str) and spec.exact:
-            grad_fn = None  # debug_exact: the formula's own gradient, by autograd
+        grad_fn = backward_for(grad_fn, spec)
         dtype = autocast_dtype("linear", x.device)
         gp, up, dp = self.gate_proj, self.up_proj, self.down_proj
         cfg = (dtype, fn, grad_fn, spec)

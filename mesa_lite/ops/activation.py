@@ -78,8 +78,7 @@ class ActivationFn(torch.autograd.Function):
         out = fn(x)
         p = keep(x, spec, max_steps=quant.MAX_RECIPE_STEPS - 1)
         quant.save(ctx, p)
-        if isinstance(grad_fn, str) and spec.exact:
-            grad_fn = None
+        grad_fn = backward_for(grad_fn, spec)
         step = (
             ("gelu", x.dtype, grad_fn) if isinstance(grad_fn, str) else ("act", x.dtype, fn, state)
         )
@@ -97,6 +96,13 @@ class ActivationFn(torch.autograd.Function):
             return gx, None, None, None
         x = quant.dequantize(px, ctx.x_dtype)
         return activation_grad(ctx.fn, ctx.grad_fn, ctx.state, x, grad), None, None, None
+
+
+def backward_for(grad_fn, spec: QuantSpec):
+    """The backward an activation takes under ``spec``: a GELU form's fused kernel only
+    compressed; in the exact (debug) mode autograd on the formula (None), so that gradients
+    are the formula's own bit for bit."""
+    return None if isinstance(grad_fn, str) and spec.exact else grad_fn
 
 
 def run_activation(fn, x: torch.Tensor, state: tuple) -> torch.Tensor:
