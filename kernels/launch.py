@@ -86,34 +86,35 @@ class Launcher:
                 const.append(i)
         return tuple(const), tuple(tensors), tuple(ints)
 
-    def key(self, args) -> tuple:
-        """The specialization key of ``args`` (the device comes from the first tensor)."""
+    def key(self, args, device: int | None = None) -> tuple:
+        """The specialization key of ``args`` (the device: the first tensor's, unless given)."""
         if self._parts is None:
             self._parts = self._partition(args)
         const, tensors, ints = self._parts
         return (
-            args[0].get_device(),
+            args[0].get_device() if device is None else device,
             tuple([args[i] for i in const]),
-            tuple([(args[i].dtype, args[i].data_ptr() % 16 == 0) for i in tensors]),
-            tuple([(args[i] == 1, args[i] % 16 == 0, -(2**31) <= args[i] < 2**31) for i in ints]),
-        )
+            tuple([(args[i].dtype, not args[i].data_ptr() % 16) for i in tensors]),
+            tuple([(args[i] == 1, not args[i] % 16, -2147483648 <= args[i] <= 2147483647)
+                   for i in ints]),
+        )  # fmt: skip
 
     def __call__(self, grid: tuple, *args) -> None:
-        first = args[0]
-        if first.is_cuda and first.get_device() != torch._C._cuda_getDevice():
+        device = args[0].get_device()  # -1 for a CPU tensor
+        if device >= 0 and device != torch._C._cuda_getDevice():
             # Triton (and a cached kernel's function handle) target the current device
-            with torch.cuda.device(first.device):
+            with torch.cuda.device(device):
                 return self(grid, *args)
-        fast = self.direct and self._constexpr is not None and first.is_cuda
+        fast = device >= 0 and self.direct and self._constexpr is not None
         if fast:
-            key = self.key(args)
+            key = self.key(args, device)
             entry = self._cache.get(key)
             if entry is not None and not _hooked():
                 run, function, metadata = entry
-                stream = torch._C._cuda_getCurrentRawStream(key[0])
-                g1 = grid[1] if len(grid) > 1 else 1
-                g2 = grid[2] if len(grid) > 2 else 1
-                run(grid[0], g1, g2, stream, function, metadata, None, None, None, *args)
+                stream = torch._C._cuda_getCurrentRawStream(device)
+                n = len(grid)
+                run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function,
+                    metadata, None, None, None, *args)  # fmt: skip
                 return
         kernel = self.fn[grid](*args)
         if fast and not INTERPRETING and hasattr(kernel, "packed_metadata"):
