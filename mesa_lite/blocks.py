@@ -39,11 +39,18 @@ from mesa_lite.ops.attention import (
     split_qkv,
 )
 from mesa_lite.ops.common import autocast_cast, first_order_only, fresh, keep
+from mesa_lite.ops.dropout import dropout_backward, dropout_forward
 from mesa_lite.ops.gelu import gelu_input_grad
 from mesa_lite.ops.layer_norm import keep_normalized, layer_norm_backward
-from mesa_lite.ops.linear import _folded_col_major, linear_backward
+from mesa_lite.ops.linear import (
+    _folded_col_major,
+    addmm_backward,
+    addmm_col_major,
+    addmm_forward,
+    linear_backward,
+)
 
-__all__ = ["NormAttentionFn", "NormMlpFn", "GatedMlpFn", "Unsupported"]
+__all__ = ["NormAttentionFn", "NormMlpFn", "GatedMlpFn", "MlpFn", "Unsupported"]
 
 
 class Unsupported(Exception):
@@ -323,6 +330,103 @@ class GatedMlpFn(torch.autograd.Function):
             if n[0]:
                 gx = g_xg.to(x_dtype) + g_xu.to(x_dtype)
         return gx, g_gw, g_gb, g_uw, g_ub, g_dw, g_db, None
+
+
+def _project(kind: str, x, w, b, dtype):
+    """A projection's forward: ``"linear"`` (``F.linear``, weight (out, in)) or ``"addmm"``
+    (Hugging Face's ``Conv1D``, weight (in, out)), with autocast's casts to ``dtype``."""
+    if kind == "addmm":
+        return addmm_forward(x, w, b, dtype)
+    return F.linear(x, autocast_cast(w, dtype), autocast_cast(b, dtype))
+
+
+def _project_col_major(kind: str, x, w) -> tuple:
+    return addmm_col_major(x, w) if kind == "addmm" else (_folded_col_major(x),)
+
+
+def _project_grads(kind: str, grad, rebuild_x, w, dtype, col_major: tuple, needs, b_dtype):
+    """``_project``'s gradients (input, weight, bias) with the op's own backward formulas."""
+    if kind == "addmm":
+        return addmm_backward(grad, rebuild_x, w, dtype, *col_major, needs, w.dtype, b_dtype)
+    return linear_backward(grad, rebuild_x, w, dtype, col_major[0], needs, w.dtype, b_dtype)
+
+
+class MlpFn(torch.autograd.Function):
+    """``dropout(proj2(act(proj1(x))))``: GPT-2's MLP (``Conv1D`` projections, a GELU formula
+    and residual dropout) and any MLP module made of two projections, an activation and an
+    optional dropout after the second projection.
+
+    Inputs: ``x``, the two projections' weights and biases (biases may be None), and ``cfg``:
+    ``(kinds, dtypes, fn, grad_fn, p, spec)``: each projection's kind (``"linear"`` or
+    ``"addmm"``, see ``_project``) and autocast cast target (None: no cast), the activation's
+    formula and backward (as ``ActivationFn`` takes them, already through ``backward_for``),
+    the dropout probability (0: none) and the spec.
+
+    Keeps what the per-op path keeps: ``x`` once (or its producer's codes: a LayerNorm's), the
+    activation's input compressed (its output, the second projection's input, is rebuilt from
+    it) and the dropout mask as 1 bit per element.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, cfg):
+        (k1, k2), (d1, d2), fn, grad_fn, p, spec = cfg
+        state = autocast_state(x.device)
+        xc = autocast_cast(x, d1)
+        a = _project(k1, xc, w1, b1, d1)
+        h = fn(a)
+        hc = autocast_cast(h, d2)
+        y = _project(k2, hc, w2, b2, d2)
+        packed, ctx.drop = None, None
+        if p > 0:
+            y, packed, ctx.drop = dropout_forward(y, p)
+
+        n = ctx.needs_input_grad
+        need_a = n[0] or n[1] or n[2]  # the gradient of the activation's input
+        px = keep(xc, spec, share_key=x) if n[1] else None
+        pa = quant.quantize(a, spec) if need_a or n[3] else None
+        quant.save(ctx, px, pa, w1, w2, packed)
+        ctx.cfg, ctx.state = cfg, state
+        ctx.dtypes = (x.dtype, xc.dtype, a.dtype, h.dtype, hc.dtype)
+        ctx.bias_dtypes = (_dtypes(b1), _dtypes(b2))
+        ctx.col_major = (_project_col_major(k1, xc, w1), _project_col_major(k2, hc, w2))
+        return fresh(y)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        px, pa, w1, w2, packed = quant.load(ctx)
+        (k1, k2), (d1, d2), fn, grad_fn, _, _ = ctx.cfg
+        x_dtype, xc_dtype, a_dtype, h_dtype, hc_dtype = ctx.dtypes
+        b1_dtype, b2_dtype = ctx.bias_dtypes
+        n = ctx.needs_input_grad
+        need_a = n[0] or n[1] or n[2]
+        if packed is not None:
+            grad = dropout_backward(grad, packed, ctx.drop)
+        if isinstance(grad_fn, str):  # a GELU formula: GELU's output from the codes
+            step = ("gelu", a_dtype, grad_fn)
+        else:
+            step = ("act", a_dtype, fn, ctx.state)
+
+        def rebuild_hc():
+            return quant.dequantize(pa.derived(step, h_dtype), hc_dtype)
+
+        g_hc, g_w2, g_b2 = _project_grads(
+            k2, grad, rebuild_hc, w2, d2, ctx.col_major[1], (need_a, n[3], n[4]), b2_dtype
+        )
+        gx = g_w1 = g_b1 = None
+        if need_a:
+            g_h = g_hc.to(h_dtype)
+            if isinstance(grad_fn, str):
+                g_a = gelu_input_grad(pa, g_h.to(a_dtype), grad_fn, a_dtype)
+            else:
+                a = quant.dequantize(pa, a_dtype)
+                g_a = activation_grad(fn, grad_fn, ctx.state, a, g_h)
+            g_xc, g_w1, g_b1 = _project_grads(
+                k1, g_a.to(a_dtype), lambda: quant.dequantize(px, xc_dtype), w1, d1,
+                ctx.col_major[0], (n[0], n[1], n[2]), b1_dtype,
+            )  # fmt: skip
+            gx = None if g_xc is None else g_xc.to(x_dtype)
+        return gx, g_w1, g_b1, g_w2, g_b2, None
 
 
 def fused_backend_ok(q, k, v, is_causal: bool) -> bool:

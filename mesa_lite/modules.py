@@ -7,6 +7,7 @@ Parameters, buffers, hooks and state_dict keys stay the same; ``to_original`` sw
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import torch
@@ -245,6 +246,10 @@ class GELU(MesaModule, nn.GELU):
         if not hasattr(module, "approximate"):  # timm's own GELU is exact gelu
             module.approximate = "none"
         return super().from_module(module, spec)
+
+    def mesa_formula(self):
+        """``(fn, grad_fn)`` as ``Activation.mesa_formula`` gives them (block Functions)."""
+        return functools.partial(F.gelu, approximate=self.approximate), self.approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._mesa_active(x):

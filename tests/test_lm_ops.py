@@ -270,6 +270,112 @@ def test_gated_mlp_recognised_by_behaviour_not_name():
     assert not isinstance(wrapped, GatedMlp)
 
 
+# ---- the two-projection MLP (GPT-2's) as one Function -----------------------------------------
+
+
+def _two_layer_mlp(kind: str, act: str, p: float) -> nn.Module:
+    acts = {
+        "gelu_new": _gelu_new,
+        "gelu_tanh": lambda: nn.GELU(approximate="tanh"),
+        "quick_gelu": lambda: pytest.importorskip("transformers.activations").QuickGELUActivation(),
+        "silu": nn.SiLU,
+    }
+    if kind == "gpt2":
+        gpt2 = pytest.importorskip("transformers.models.gpt2.modeling_gpt2")
+        config = gpt2.GPT2Config(n_embd=32, resid_pdrop=p, activation_function="gelu_new")
+        mlp = gpt2.GPT2MLP(88, config)
+        mlp.act = acts[act]()
+        return mlp
+    layers = [nn.Linear(32, 88), acts[act](), nn.Linear(88, 32)]
+    return nn.Sequential(*layers, *([nn.Dropout(p)] if p else []))
+
+
+def _unfused_grads(wrapped, x, autocast):
+    """Gradients of ``wrapped`` with its MLP blocks on their per-op path (a no-op hook)."""
+    handles = [m.register_forward_hook(lambda *a: None) for m in wrapped.modules()
+               if type(m).__name__.startswith("Mlp[")]  # fmt: skip
+    try:
+        return _grads(wrapped, x, autocast)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("autocast", AUTOCAST, ids=str)
+@pytest.mark.parametrize("p", [0.0, 0.2])
+@pytest.mark.parametrize(
+    "kind, act",
+    [("gpt2", "gelu_new"), ("gpt2", "quick_gelu"), ("linear", "gelu_tanh"), ("linear", "silu")],
+)
+def test_two_projection_mlp_block(kind, act, p, autocast):
+    """GPT-2's MLP (Conv1D) and a Sequential of Linear, activation, Linear (and dropout) run
+    as one ``MlpFn``: forward bit-exact (the same dropout draws), debug_exact gradients exact,
+    int8 gradients bit-identical to the per-op path's, which keeps the same bytes."""
+    from mesa_lite.blocks import MlpFn
+    from mesa_lite.integrations.transformers import Mlp
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.LayerNorm(32), _two_layer_mlp(kind, act, p))
+    ac = AUTOCAST[autocast]
+    x = torch.randn(3, 20, 32) * 2
+    _check(plain, x, ac, floor=30.0)
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain))
+    assert isinstance(wrapped[1], Mlp)
+    calls = []
+    apply = MlpFn.apply
+    MlpFn.apply = lambda *a: calls.append(1) or apply(*a)
+    try:
+        y1, g1 = _grads(wrapped, x, ac)
+    finally:
+        MlpFn.apply = apply
+    assert calls, "the block Function did not run"
+    y0, g0 = _unfused_grads(wrapped, x, ac)
+    assert_equal(y1, y0, "forward, fused vs per-op")
+    for n, a in g0.items():
+        assert_equal(g1[n], a, f"int8 grad of {n}, fused vs per-op")
+
+    def kept(model):
+        with torch.autocast("cpu", dtype=ac or torch.float32, enabled=ac is not None):
+            return saved_activation_bytes(lambda: model(x), params=list(model.parameters()))[0]
+
+    fused = kept(wrapped)
+    hooks = [m.register_forward_hook(lambda *a: None) for m in wrapped.modules()]
+    per_op = kept(wrapped)
+    for h in hooks:
+        h.remove()
+    assert fused == per_op, (fused, per_op)
+
+
+def test_mlp_block_only_for_the_exact_chain():
+    """Dropout between the activation and the second projection, a residual add, an in-place
+    dropout or frozen layers: not fused, or fused with the right gradients."""
+    from mesa_lite.integrations.transformers import Mlp
+
+    class Residual(nn.Sequential):
+        def forward(self, x):
+            return super().forward(x) + x
+
+    torch.manual_seed(0)
+    between = nn.Sequential(nn.Linear(32, 88), nn.GELU(), nn.Dropout(0.1), nn.Linear(88, 32))
+    residual = Residual(nn.Linear(32, 88), nn.GELU(), nn.Linear(88, 32))
+    shared = nn.Linear(32, 32)
+    twice = nn.Sequential(shared, nn.GELU(), shared)  # one layer called twice
+    for model in (between, residual, twice):
+        assert not isinstance(mesa_lite.wrap(copy.deepcopy(model)), Mlp), model
+    x = torch.randn(2, 7, 32)
+    _check(residual, x, torch.bfloat16, floor=30.0)
+    inplace = nn.Sequential(nn.Linear(32, 88), nn.GELU(), nn.Linear(88, 32), nn.Dropout(0.5, True))
+    wrapped = mesa_lite.wrap(copy.deepcopy(inplace))
+    assert isinstance(wrapped, Mlp)  # recognised; runs per-op (the in-place dropout)
+    _check(inplace, x, None, floor=30.0)
+    frozen = nn.Sequential(nn.Linear(32, 88), nn.SiLU(), nn.Linear(88, 32))
+    frozen[0].requires_grad_(False)
+    _check(frozen, x, torch.bfloat16, floor=30.0)
+    frozen[0].requires_grad_(True)
+    frozen[2].requires_grad_(False)
+    _check(frozen, x, torch.bfloat16, floor=30.0)
+
+
 # ---- regressions found by review -------------------------------------------------------------
 
 

@@ -24,6 +24,10 @@ What ``wrap`` converts, when transformers is importable:
   recognised by structure and checked bit for bit on a probe input, run as one block-level
   Function (``blocks.GatedMlpFn``) keeping the gate and up projections' outputs compressed,
   the down projection's input rebuilt from them.
+- Two-projection MLPs (``dropout(proj2(act(proj1(x))))`` with ``Conv1D`` or ``nn.Linear``
+  projections: GPT-2's ``GPT2MLP``, or a ``Sequential`` of the same), recognised by following
+  on a probe input which layer's output feeds which, run as one ``blocks.MlpFn``: one autograd
+  node instead of four, keeping the same bytes as the per-op path.
 - The causal-LM loss (models whose ``loss_type`` is ``ForCausalLM``): the model's
   ``loss_function`` is set to ``causal_lm_loss``, a chunked cross-entropy that keeps no fp32
   ``batch x seq x vocab`` tensor (kind "loss"); ``unwrap`` removes it.
@@ -40,8 +44,10 @@ from torch.overrides import TorchFunctionMode
 from mesa_lite import blocks
 from mesa_lite.config import QuantSpec
 from mesa_lite.modules import (
+    GELU,
     GELU_FORMS,
     Activation,
+    Dropout,
     FusedBlock,
     Linear,
     MesaModule,
@@ -335,9 +341,123 @@ def _match_gated(module: nn.Module):
     return None
 
 
+# ---- two-projection MLP (GPT-2's) ----------------------------------------------------------
+
+_PROJECTIONS = (nn.Linear,) if _Conv1D is None else (nn.Linear, _Conv1D)
+
+
+def _mlp_chain(module: nn.Module) -> tuple[str, ...] | None:
+    """The names of ``(proj1, act, proj2[, dropout])`` when ``module``'s forward is
+    ``dropout(proj2(act(proj1(x))))`` (GPT-2's ``GPT2MLP``, a ``Sequential`` of the same):
+    found by running it on a probe input in eval mode and following which child's output
+    feeds which, each call once and in that order, the result the last one's output."""
+    kids = dict(module.named_children())
+    if len(kids) not in (3, 4) or isinstance(module, FusedBlock):
+        return None
+    projs = [n for n, m in kids.items() if isinstance(m, _PROJECTIONS)]
+    acts = [n for n, m in kids.items() if isinstance(m, (Activation, GELU))]
+    drops = [n for n, m in kids.items() if isinstance(m, nn.Dropout)]
+    if len(projs) != 2 or len(acts) != 1 or len(drops) != len(kids) - 3:
+        return None
+    first = kids[projs[0]]
+    width = first.in_features if isinstance(first, nn.Linear) else first.weight.shape[0]
+    calls, handles = [], []
+    for name, m in kids.items():
+        hook = lambda m, args, out, name=name: calls.append((name, args, out))  # noqa: E731
+        handles.append(m.register_forward_hook(hook))
+    modes = {m: m.training for m in module.modules()}
+    x = _probe(width, first.weight.device).to(first.weight.dtype)
+    try:
+        module.eval()
+        with torch.no_grad():
+            out = type(module).forward(module, x)
+    except Exception:  # noqa: BLE001 - a forward that fails on a probe is not this MLP
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+        for m, training in modes.items():
+            m.training = training
+    names = tuple(name for name, _, _ in calls)
+    if len(names) != len(kids) or len(set(names)) != len(names):
+        return None
+    if not (names[0] in projs and names[1] in acts and names[2] in projs):
+        return None
+    given = x
+    for _name, args, result in calls:  # each child takes exactly the previous one's output
+        if len(args) != 1 or args[0] is not given:
+            return None
+        given = result
+    return names if out is given else None
+
+
+class Mlp(FusedBlock, nn.Module):
+    """A two-projection MLP (``_mlp_chain``) running as one ``blocks.MlpFn`` when its layers
+    are wrapped with one setting (no hooks, training with grad); otherwise its own forward."""
+
+    @classmethod
+    def fuse(cls, module: nn.Module) -> nn.Module:
+        module.__dict__["_mesa_mlp_chain"] = _mlp_chain(module)
+        return super().fuse(module)
+
+    def unfuse(self) -> nn.Module:
+        self.__dict__.pop("_mesa_mlp_chain", None)
+        return super().unfuse()
+
+    def forward(self, *args, **kwargs):
+        x = args[0] if len(args) == 1 and not kwargs else None
+        parts = None if x is None or not self._mesa_block_active(x) else _mlp_parts(self)
+        if parts is None:
+            return super().forward(*args, **kwargs)
+        p1, act, p2, p, spec = parts
+        fn, grad_fn = act.mesa_formula()
+        kinds = tuple("linear" if isinstance(m, nn.Linear) else "addmm" for m in (p1, p2))
+        dtypes = tuple(autocast_dtype(k, x.device) for k in kinds)
+        cfg = (kinds, dtypes, fn, backward_for(grad_fn, spec), p, spec)
+        return blocks.MlpFn.apply(x, p1.weight, p1.bias, p2.weight, p2.bias, cfg)
+
+
+def _mlp_parts(m: nn.Module):
+    """``(proj1, act, proj2, dropout p, spec)`` when ``m`` can run as one ``MlpFn``: its
+    layers converted with one setting, each projection's compressed path taken, the dropout
+    converted (p below 1, not in place), no hooks; else None."""
+    from mesa_lite.integrations.timm import _plain_modules
+
+    chain = m.__dict__.get("_mesa_mlp_chain")
+    if chain is None:
+        return None
+    layers = [getattr(m, name) for name in chain]
+    p1, act, p2 = layers[:3]
+    for proj in (p1, p2):
+        if isinstance(proj, Linear):
+            continue
+        if _Conv1D is None or not isinstance(proj, Conv1D) or proj.bias is None:
+            return None
+    if not isinstance(act, (Activation, GELU)) or getattr(act, "inplace", False):
+        return None
+    p = 0.0
+    if len(layers) == 4:
+        drop = layers[3]
+        if type(drop).forward not in (nn.Dropout.forward, Dropout.forward) or drop.inplace:
+            return None
+        if drop.p != 0 and not (isinstance(drop, Dropout) and drop.mesa_spec is not None):
+            return None  # dropout left plain by the configuration keeps its own mask
+        if not 0 <= drop.p < 1:
+            return None
+        p = drop.p
+    spec = blocks.spec_of(p1, act, p2)
+    if spec is None or not _plain_modules(m, *layers):
+        return None
+    return p1, act, p2, p, spec
+
+
+def _match_mlp(module: nn.Module):
+    return Mlp if _mlp_chain(module) is not None else None
+
+
 def block_matchers() -> list:
     """``module -> FusedBlock class or None`` for ``wrap``'s block pass."""
-    return [_match_gated]
+    return [_match_gated, _match_mlp]
 
 
 # ---- the causal-LM loss ---------------------------------------------------------------------

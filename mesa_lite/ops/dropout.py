@@ -50,36 +50,48 @@ def _fused(x: torch.Tensor, p: float) -> bool:
     return x.device.type not in ("cpu", "mps", "meta") and 0 < p < 1 and x.numel() > 0
 
 
+def dropout_forward(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """``F.dropout(x, p, training=True)`` (0 < p < 1): ``(out, packed mask, info)``, the mask
+    as ``pack_bits`` packs it and ``info`` what ``dropout_backward`` needs besides."""
+    fused = _fused(x, p)
+    if fused:
+        out, mask = torch.native_dropout(x, p, True)
+        scale = 1.0 / (1.0 - p)
+    else:
+        noise = torch.empty_like(x).bernoulli_(1 - p)
+        noise.div_(1 - p)
+        out = x * noise
+        mask = noise.ne(0)
+        # the scale as the kept noise holds it, rounded to x's dtype
+        scale = noise.new_ones(()).div_(1 - p)
+    return out, pack_bits(mask), (fused, scale, x.shape)
+
+
+def dropout_backward(grad: torch.Tensor, packed: torch.Tensor, info: tuple) -> torch.Tensor:
+    """The input gradient of ``dropout_forward`` from its packed mask and info."""
+    fused, scale, shape = info
+    mask = unpack_bits(packed, shape)
+    if fused:
+        return torch.ops.aten.native_dropout_backward(grad, mask, scale)
+    noise = torch.zeros(shape, dtype=scale.dtype, device=grad.device)
+    noise.masked_fill_(mask, scale)
+    return grad * noise
+
+
 class DropoutFn(torch.autograd.Function):
     """``F.dropout(x, p, training=True)`` keeping the mask as packed bits."""
 
     @staticmethod
     def forward(ctx, x, p: float):
-        if _fused(x, p):
-            out, mask = torch.native_dropout(x, p, True)
-            ctx.scale = 1.0 / (1.0 - p)
-        else:
-            noise = torch.empty_like(x).bernoulli_(1 - p)
-            noise.div_(1 - p)
-            out = x * noise
-            mask = noise.ne(0)
-            # the scale as the kept noise holds it, rounded to x's dtype
-            ctx.scale = noise.new_ones(()).div_(1 - p)
-        ctx.fused = _fused(x, p)
-        ctx.shape = x.shape
-        ctx.save_for_backward(pack_bits(mask))
+        out, packed, ctx.info = dropout_forward(x, p)
+        ctx.save_for_backward(packed)
         return out
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
-        mask = unpack_bits(packed, ctx.shape)
-        if ctx.fused:
-            return torch.ops.aten.native_dropout_backward(grad, mask, ctx.scale), None
-        noise = torch.zeros(ctx.shape, dtype=ctx.scale.dtype, device=grad.device)
-        noise.masked_fill_(mask, ctx.scale)
-        return grad * noise, None
+        return dropout_backward(grad, packed, ctx.info), None
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True, inplace: bool = False):

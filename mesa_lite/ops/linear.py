@@ -106,45 +106,66 @@ def linear(x, weight, bias, spec: QuantSpec) -> torch.Tensor:
 register_probe("addmm", 3, lambda a, b, c: torch.addmm(a, b, c))
 
 
+def addmm_forward(x, weight, bias, dtype: torch.dtype | None) -> torch.Tensor:
+    """Hugging Face ``Conv1D``'s forward, ``torch.addmm(bias, x.view(-1, in), weight)`` viewed
+    as ``(*x.shape[:-1], out)``, with autocast's casts to ``dtype`` (None: no cast)."""
+    x2 = x.view(-1, x.shape[-1])
+    out = torch.addmm(autocast_cast(bias, dtype), x2, autocast_cast(weight, dtype))
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def addmm_col_major(x: torch.Tensor, weight: torch.Tensor) -> tuple[bool, bool]:
+    """Whether the matrix addmm multiplies for ``x`` (folded to 2-D) and the (in, out) weight
+    are column-major, as addmm's backward tests them."""
+    w_col = weight.stride(0) == 1 and weight.stride(1) == weight.shape[0]
+    return _folded_col_major(x.view(-1, x.shape[-1])), w_col
+
+
+def addmm_backward(grad, rebuild_x, weight, dtype, x_col_major: bool, w_col_major: bool, needs,
+                   w_dtype, b_dtype):  # fmt: skip
+    """``addmm_forward``'s gradients (input, weight, bias; None where ``needs`` is False) with
+    addmm's own backward formulas; the arguments as ``linear_backward``'s, ``w_col_major``
+    whether the weight (in, out) is column-major (its gradient is then too)."""
+    g2 = grad.reshape(-1, grad.shape[-1])
+    gx = gw = gb = None
+    if needs[0]:  # mm_mat1_backward
+        w = autocast_cast(weight, dtype)
+        gx = (w.mm(g2.t())).t() if x_col_major else g2.mm(w.t())
+        gx = gx.reshape(*grad.shape[:-1], w.shape[0])
+    if needs[1]:  # mm_mat2_backward
+        x = rebuild_x()
+        x2 = x.reshape(-1, x.shape[-1])
+        gw = (g2.t().mm(x2).t() if w_col_major else x2.t().mm(g2)).to(w_dtype)
+    if b_dtype is not None and needs[2]:
+        gb = g2.sum(0).to(b_dtype)
+    return gx, gw, gb
+
+
 class AddmmFn(torch.autograd.Function):
-    """``torch.addmm(bias, x.view(-1, in), weight).view(*x.shape[:-1], out)``: Hugging Face's
-    ``Conv1D`` (GPT-2), whose weight is stored (in, out); keeps the compressed input as
-    ``LinearFn`` does, and computes the gradients with addmm's own backward formulas."""
+    """``addmm_forward``: Hugging Face's ``Conv1D`` (GPT-2), whose weight is stored (in, out);
+    keeps the compressed input as ``LinearFn`` does, and computes the gradients with addmm's
+    own backward formulas."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, dtype: torch.dtype | None, spec: QuantSpec, shares=(None,)):
-        x2 = x.view(-1, x.shape[-1])
-        out = torch.addmm(autocast_cast(bias, dtype), x2, autocast_cast(weight, dtype))
+        out = addmm_forward(x, weight, bias, dtype)
         need_x, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[0]
         px = keep(x, spec, share_key=shares[0]) if need_x else None
         quant.save(ctx, px, weight if need_w else None)
         ctx.dtype, ctx.x_dtype, ctx.w_dtype = dtype, x.dtype, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
-        ctx.x_col_major = _folded_col_major(x2)
-        ctx.w_col_major = weight.stride(0) == 1 and weight.stride(1) == weight.shape[0]
-        return fresh(out.view(*x.shape[:-1], out.shape[-1]))
+        ctx.col_major = addmm_col_major(x, weight)
+        return fresh(out)
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
         px, weight = quant.load(ctx)
-        n = ctx.needs_input_grad
-        g2 = grad.reshape(-1, grad.shape[-1])
-        gx = gw = gb = None
-        if n[0]:  # mm_mat1_backward
-            w = autocast_cast(weight, ctx.dtype)
-            gx = (w.mm(g2.t())).t() if ctx.x_col_major else g2.mm(w.t())
-            gx = gx.reshape(*grad.shape[:-1], w.shape[0])
-        if n[1]:  # mm_mat2_backward, the weight (in, out) row-major
-            x2 = quant.dequantize(px, ctx.x_dtype).reshape(-1, px.shape[-1])
-            if ctx.w_col_major:  # a column-major weight gets a column-major gradient
-                gw = g2.t().mm(x2).t()
-            else:
-                gw = x2.t().mm(g2)
-            gw = gw.to(ctx.w_dtype)
-        if ctx.b_dtype is not None and n[2]:
-            gb = g2.sum(0).to(ctx.b_dtype)
-        return gx, gw, gb, None, None, None
+        grads = addmm_backward(
+            grad, lambda: quant.dequantize(px, ctx.x_dtype), weight, ctx.dtype, *ctx.col_major,
+            ctx.needs_input_grad[:3], ctx.w_dtype, ctx.b_dtype,
+        )  # fmt: skip
+        return *grads, None, None, None
 
 
 def addmm(x, weight, bias, spec: QuantSpec) -> torch.Tensor:
