@@ -3,6 +3,7 @@
 This package never imports the rest of mesa_lite.
 """
 
+from .bits import dropout_backward, dropout_backward_ref, pack_bits, pack_bits_ref, unpack_bits
 from .group_quant import (
     EPILOGUES,
     HAS_TRITON,
@@ -19,6 +20,11 @@ from .group_quant import (
 from .launch import Launcher, use_triton
 
 __all__ = [
+    "dropout_backward",
+    "dropout_backward_ref",
+    "pack_bits",
+    "pack_bits_ref",
+    "unpack_bits",
     "EPILOGUES",
     "Launcher",
     "use_triton",

@@ -465,7 +465,8 @@ def quantize(
         use_triton = use_triton_for(x)
     if not use_triton:
         return quantize_ref(x, group_size, signed, stochastic, bits, normalize)
-    x = x.contiguous().view(-1)
+    if not x.is_contiguous():  # the kernel reads a dense row-major block (no view needed)
+        x = x.contiguous()
     n = x.numel()
     ng = n_groups_of(n, group_size)
     codes = torch.empty(n_code_bytes(n, bits), dtype=_code_dtype(signed, bits), device=x.device)
@@ -575,7 +576,8 @@ def dequantize(
         use_triton = use_triton_for(codes)
     if not use_triton:
         return dequantize_ref(codes, scales, group_size, dtype, bits, signed, numel, epilogue)
-    codes = codes.contiguous().view(-1)
+    if not codes.is_contiguous():
+        codes = codes.contiguous()
     out = torch.empty(numel, dtype=dtype, device=codes.device)
     if numel == 0:
         return out

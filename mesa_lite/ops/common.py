@@ -82,7 +82,23 @@ def autocast_cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Te
         return t
     if not t.is_floating_point() or t.dtype == torch.float64:
         return t
-    return t.to(dtype)
+    return cast(t, dtype)
+
+
+# a dtype's own conversion method parses its arguments faster than ``Tensor.to`` (host time on
+# every cast of every layer)
+_CASTS = {
+    torch.float32: torch.Tensor.float,
+    torch.float16: torch.Tensor.half,
+    torch.bfloat16: torch.Tensor.bfloat16,
+    torch.float64: torch.Tensor.double,
+}
+
+
+def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, with less host time for floating dtypes."""
+    method = _CASTS.get(dtype)
+    return t.to(dtype) if method is None else method(t)
 
 
 def fresh(out: torch.Tensor) -> torch.Tensor:

@@ -10,38 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from mesa_lite.kernels import bits
+from mesa_lite.kernels.bits import pack_bits, unpack_bits
 from mesa_lite.ops.common import first_order_only, plain_under_functorch
-
-_WEIGHTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _weights(device: torch.device) -> torch.Tensor:
-    """1, 2, 4, ..., 128 as uint8 on ``device``, made once per device: built from a Python
-    list on each call it would be a host-to-device copy, which waits for the GPU's queue."""
-    w = _WEIGHTS.get(device)
-    if w is None:
-        w = _WEIGHTS[device] = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).to(
-            device
-        )
-    return w
-
-
-def pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """A bool tensor as uint8, 8 elements per byte (row-major order, zero-padded)."""
-    flat = mask.reshape(-1)
-    pad = (-flat.numel()) % 8
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return (flat.view(-1, 8).to(torch.uint8) * _weights(mask.device)).sum(1, dtype=torch.uint8)
-
-
-def unpack_bits(packed: torch.Tensor, shape) -> torch.Tensor:
-    """The bool tensor ``pack_bits`` packed, of ``shape``."""
-    n = 1
-    for s in shape:
-        n *= s
-    bits = packed.unsqueeze(1).bitwise_and(_weights(packed.device)).ne(0)
-    return bits.reshape(-1)[:n].view(shape)
 
 
 def _fused(x: torch.Tensor, p: float) -> bool:
@@ -70,9 +41,9 @@ def dropout_forward(x: torch.Tensor, p: float) -> tuple[torch.Tensor, torch.Tens
 def dropout_backward(grad: torch.Tensor, packed: torch.Tensor, info: tuple) -> torch.Tensor:
     """The input gradient of ``dropout_forward`` from its packed mask and info."""
     fused, scale, shape = info
+    if fused:  # one pass from the bits on the GPU
+        return bits.dropout_backward(grad, packed, scale)
     mask = unpack_bits(packed, shape)
-    if fused:
-        return torch.ops.aten.native_dropout_backward(grad, mask, scale)
     noise = torch.zeros(shape, dtype=scale.dtype, device=grad.device)
     noise.masked_fill_(mask, scale)
     return grad * noise

@@ -11,6 +11,7 @@ from mesa_lite.config import QuantSpec
 from mesa_lite.ops.common import (
     autocast_cast,
     autocast_dtype,
+    cast,
     first_order_only,
     fresh,
     keep,
@@ -90,9 +91,9 @@ def linear_backward(grad, rebuild_x, weight, dtype, x_col_major: bool, needs, w_
         grad_x = gx.reshape(*grad.shape[:-1], w.shape[1])
     if needs[1]:
         x = rebuild_x()
-        grad_w = (g2.t() @ x.reshape(-1, x.shape[-1])).to(w_dtype)
+        grad_w = cast(g2.t() @ x.reshape(-1, x.shape[-1]), w_dtype)
     if b_dtype is not None and needs[2]:
-        grad_b = g2.sum(0).to(b_dtype)
+        grad_b = cast(g2.sum(0), b_dtype)
     return grad_x, grad_w, grad_b
 
 
@@ -135,9 +136,9 @@ def addmm_backward(grad, rebuild_x, weight, dtype, x_col_major: bool, w_col_majo
     if needs[1]:  # mm_mat2_backward
         x = rebuild_x()
         x2 = x.reshape(-1, x.shape[-1])
-        gw = (g2.t().mm(x2).t() if w_col_major else x2.t().mm(g2)).to(w_dtype)
+        gw = cast(g2.t().mm(x2).t() if w_col_major else x2.t().mm(g2), w_dtype)
     if b_dtype is not None and needs[2]:
-        gb = g2.sum(0).to(b_dtype)
+        gb = cast(g2.sum(0), b_dtype)
     return gx, gw, gb
 
 

@@ -1,0 +1,146 @@
+"""A dropout mask as 1 bit per element: packing it (Triton), and dropout's backward read straight
+from the packed bits (Triton), with their PyTorch references.
+
+Packed order: element ``i`` is bit ``i % 8`` (least significant first) of byte ``i // 8``, in
+row-major order, the last byte zero-padded.
+
+``dropout_backward`` is ATen's ``native_dropout_backward`` (``grad * mask * scale``, computed in
+fp32 and rounded once to the gradient's dtype, so non-finite gradients stay non-finite where
+the mask is 0 too: ``inf * 0`` is NaN) with the mask unpacked in registers: one pass instead of
+unpacking a byte mask first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .launch import HAS_TRITON, Launcher
+from .launch import use_triton as use_triton_for
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from .group_quant import store_as
+
+__all__ = ["pack_bits", "pack_bits_ref", "unpack_bits", "dropout_backward",
+           "dropout_backward_ref"]  # fmt: skip
+
+_BLOCK = 1024  # bytes per program (8192 elements)
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
+def _weights(device: torch.device) -> torch.Tensor:
+    """1, 2, 4, ..., 128 as uint8 on ``device``, made once per device: built from a Python
+    list on each call it would be a host-to-device copy, which waits for the GPU's queue."""
+    w = _WEIGHTS.get(device)
+    if w is None:
+        w = _WEIGHTS[device] = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).to(
+            device
+        )
+    return w
+
+
+def pack_bits_ref(mask: torch.Tensor) -> torch.Tensor:
+    """PyTorch reference of :func:`pack_bits`."""
+    flat = mask.reshape(-1)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return (flat.view(-1, 8).to(torch.uint8) * _weights(mask.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, shape) -> torch.Tensor:
+    """The bool tensor ``pack_bits`` packed, of ``shape``."""
+    n = 1
+    for s in shape:
+        n *= s
+    bits = packed.unsqueeze(1).bitwise_and(_weights(packed.device)).ne(0)
+    return bits.reshape(-1)[:n].view(shape)
+
+
+def dropout_backward_ref(grad: torch.Tensor, packed: torch.Tensor, scale: float) -> torch.Tensor:
+    """PyTorch reference of :func:`dropout_backward`: ATen's own op on the unpacked mask."""
+    mask = unpack_bits(packed, grad.shape)
+    return torch.ops.aten.native_dropout_backward(grad, mask, scale)
+
+
+def _check_packed(packed: torch.Tensor, n: int, where: str) -> None:
+    if packed.dtype != torch.uint8 or packed.numel() != (n + 7) // 8:
+        raise ValueError(
+            f"{where}: {n} elements need {(n + 7) // 8} packed uint8 bytes, got "
+            f"{packed.numel()} of {packed.dtype}"
+        )
+
+
+def pack_bits(mask: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
+    """A bool tensor as uint8, 8 elements per byte (row-major order, zero-padded).
+
+    ``use_triton``: force the path; by default Triton for CUDA tensors, the reference otherwise.
+    """
+    if mask.dtype != torch.bool:
+        raise TypeError(f"pack_bits: mask must be a bool tensor, got {mask.dtype}")
+    if use_triton is None:
+        use_triton = use_triton_for(mask)
+    if not use_triton:
+        return pack_bits_ref(mask)
+    if not mask.is_contiguous():
+        mask = mask.contiguous()
+    n = mask.numel()
+    nbytes = (n + 7) // 8
+    out = torch.empty(nbytes, dtype=torch.uint8, device=mask.device)
+    if n:
+        _PACK(((nbytes + _BLOCK - 1) // _BLOCK,), mask.view(torch.uint8), out, n, nbytes, _BLOCK)
+    return out
+
+
+def dropout_backward(
+    grad: torch.Tensor, packed: torch.Tensor, scale: float, use_triton: bool | None = None
+) -> torch.Tensor:
+    """``native_dropout_backward(grad, mask, scale)`` with ``mask`` given as ``pack_bits``
+    packed it, in one pass on the GPU (fp32, fp16 and bf16 gradients; others, and CPU
+    tensors, through the reference)."""
+    _check_packed(packed, grad.numel(), "dropout_backward")
+    if use_triton is None:
+        use_triton = use_triton_for(grad)
+    if not use_triton or grad.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return dropout_backward_ref(grad, packed, scale)
+    if not grad.is_contiguous():
+        grad = grad.contiguous()
+    n = grad.numel()
+    out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+    if n:
+        bf16 = grad.dtype == torch.bfloat16
+        _DROPOUT_BACKWARD(
+            ((n + 8 * _BLOCK - 1) // (8 * _BLOCK),),
+            grad, packed, out.view(torch.int16) if bf16 else out, float(scale), n, bf16,
+            8 * _BLOCK,
+        )  # fmt: skip
+    return out
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _pack_kernel(mask_ptr, out_ptr, n, nbytes, BLOCK: tl.constexpr):
+        byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = byte < nbytes
+        packed = tl.zeros([BLOCK], dtype=tl.int32)
+        for j in tl.static_range(8):
+            i = byte * 8 + j
+            m = tl.load(mask_ptr + i, mask=inside & (i < n), other=0).to(tl.int32)
+            packed = packed | ((m != 0).to(tl.int32) << j)
+        tl.store(out_ptr + byte, packed.to(tl.uint8), mask=inside)
+
+    @triton.jit
+    def _dropout_backward_kernel(grad_ptr, packed_ptr, out_ptr, scale, n, OUT_BF16: tl.constexpr,
+                                 BLOCK: tl.constexpr):  # fmt: skip
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n
+        g = tl.load(grad_ptr + offs, mask=inside, other=0).to(tl.float32)
+        byte = tl.load(packed_ptr + offs // 8, mask=inside, other=0).to(tl.int32)
+        m = ((byte >> (offs % 8).to(tl.int32)) & 1).to(tl.float32)
+        store_as(out_ptr, offs, g * m * scale, inside, OUT_BF16)
+
+    _PACK = Launcher(_pack_kernel)
+    _DROPOUT_BACKWARD = Launcher(_dropout_backward_kernel)
