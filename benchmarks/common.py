@@ -416,3 +416,21 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str
             cells.append("-" if v is None else format(v, fmt))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def measure_row(row: dict, device, measure, *args) -> dict:
+    """``row`` updated with what ``measure(*args)`` returns; a failure (an OOM) is recorded in
+    ``row["error"]`` with its traceback printed, not hidden. Frees what the row left behind
+    (collected, and the CUDA cache emptied) either way. Returns ``row``."""
+    import gc
+    import traceback
+
+    try:
+        row.update(measure(*args))
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {e}"[:500]
+        traceback.print_exc()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row

@@ -228,9 +228,10 @@ def gpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None,
     }
 
 
-def cpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, compiled=False) -> dict:
+def cpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None,
+            compiled=False) -> dict:  # fmt: skip
     dtype = torch_dtype(dtype_name)
-    model = _compiled(make_model(name, attention, mode, args.img_size, bits), compiled)
+    model = _compiled(make_model(name, attention, mode, args.img_size, bits, config), compiled)
     activations, copies = mesa_lite.report.kept_bytes(model, x, autocast=dtype)
     return {
         "kept_for_backward_mib": (activations + copies) / MIB,

@@ -34,9 +34,7 @@ tables) into a fresh runs/ folder unless --out names a prefix. Exits 1 if a row 
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
-import traceback
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
@@ -56,6 +54,7 @@ from .common import (
     autocast,
     lazy_import,
     markdown_table,
+    measure_row,
     nonnegative_int,
     positive_int,
     resolve_device,
@@ -319,15 +318,9 @@ def run(argv=None) -> list[dict]:
         for mode in args.modes:
             row = {"model": name, "mode": mode, "batch": args.batch, "seq": seq,
                    "dtype": args.dtype, "attention": args.attention, **env}  # fmt: skip
-            try:
-                row.update(measure(name, mode, config, ids, labels, args))
+            measure_row(row, device, measure, name, mode, config, ids, labels, args)
+            if "error" not in row:
                 row.update(est)
-            except Exception as e:  # a row that fails (OOM) is reported, not hidden
-                row["error"] = f"{type(e).__name__}: {e}"[:500]
-                traceback.print_exc()
-            gc.collect()
-            if gpu:
-                torch.cuda.empty_cache()
             rows.append(row)
             say(_row_line(row))
     add_ratios(rows, gpu)

@@ -17,6 +17,8 @@ LAYER_KINDS: tuple[str, ...] = (
 )  # fmt: skip
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 SUPPORTED_BITS: tuple[int, ...] = (8, 4, 2)
+# Config.checkpoint's structural modes (mesa_lite.checkpoint.find_units)
+CHECKPOINT_MODES = ("blocks", "attention", "mlp")
 _OVERRIDE_FIELDS = ("bits", "group_size", "rounding", "enabled")
 
 
@@ -151,6 +153,18 @@ class Config:
             exact). Names are those of ``model.named_modules()``; fnmatch globs are allowed.
             A pattern that matches no module is an error at ``wrap`` time.
         debug_exact: keep exact copies instead of codes (for checking gradients against torch).
+        checkpoint: compressed checkpointing (``mesa_lite.checkpoint``): None (off), ``"blocks"``
+            (the model's repeated blocks, found by structure), ``"attention"`` or ``"mlp"``
+            (that part of each block), or a list of module names / fnmatch globs. A module
+            checkpointed runs forward keeping only a compressed copy of its input and is
+            recomputed from it in backward.
+        checkpoint_every: checkpoint every k-th of the selected modules (the first, then every
+            k-th); with the structural modes the last block is never checkpointed.
+        checkpoint_bits: code width of the checkpointed modules' input copy; None: ``bits``.
+            It uses ``group_size`` and ``rounding`` (None: nearest at 8 bits, stochastic below).
+        checkpoint_inner: ``"exact"``: the layers inside checkpointed modules stay plain
+            (the recompute keeps exact activations, one block at a time); ``"compressed"``: they
+            are wrapped as everywhere else.
     """
 
     bits: int = 8
@@ -159,6 +173,10 @@ class Config:
     layers: frozenset[str] = frozenset(LAYER_KINDS)
     overrides: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=FrozenMap)
     debug_exact: bool = False
+    checkpoint: str | tuple[str, ...] | None = None
+    checkpoint_every: int = 1
+    checkpoint_bits: int | None = None
+    checkpoint_inner: str = "exact"
 
     def __post_init__(self) -> None:
         _check_bits(self.bits)
@@ -207,6 +225,40 @@ class Config:
         object.__setattr__(self, "overrides", FrozenMap(frozen))
         if not isinstance(self.debug_exact, bool):
             raise TypeError(f"debug_exact must be a bool, got {type(self.debug_exact).__name__}")
+        self._check_checkpoint()
+
+    def _check_checkpoint(self) -> None:
+        what = self.checkpoint
+        if isinstance(what, str):
+            if what not in CHECKPOINT_MODES:
+                raise ValueError(
+                    f"checkpoint must be one of {list(CHECKPOINT_MODES)}, a list of module "
+                    f"names or globs, or None; got {what!r}"
+                )
+        elif what is not None:
+            if not isinstance(what, (list, tuple)) or not all(isinstance(n, str) for n in what):
+                raise TypeError(
+                    f"checkpoint must be one of {list(CHECKPOINT_MODES)}, a list of module "
+                    f"names or globs, or None; got {what!r}"
+                )
+            if not what:
+                raise ValueError("checkpoint: an empty list selects nothing; use None for off")
+            object.__setattr__(self, "checkpoint", tuple(what))
+        every = self.checkpoint_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"checkpoint_every must be a positive int, got {every!r}")
+        if self.checkpoint_bits is not None:
+            _check_bits(self.checkpoint_bits, "checkpoint_bits")
+            _check_packing(self.checkpoint_bits, self.group_size, "group_size")
+        if self.checkpoint_inner not in ("exact", "compressed"):
+            raise ValueError(
+                f"checkpoint_inner must be 'exact' or 'compressed', got {self.checkpoint_inner!r}"
+            )
+
+    def checkpoint_spec(self) -> QuantSpec:
+        """The setting of a checkpointed module's input copy."""
+        bits = self.bits if self.checkpoint_bits is None else self.checkpoint_bits
+        return QuantSpec(bits, self.group_size, self.rounding, exact=self.debug_exact)
 
     def spec_for(self, name: str, kind: str) -> QuantSpec | None:
         """The spec for module ``name`` of layer kind ``kind``, or None to leave it exact.

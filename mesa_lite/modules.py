@@ -192,7 +192,8 @@ def converted_class(mesa_cls: type, orig: type) -> type:
                 "__module__": mesa_cls.__module__,
                 "__qualname__": f"{mesa_cls.__qualname__}[{orig.__module__}.{orig.__qualname__}]",
                 "__reduce_ex__": _reduce_converted,
-                "_mesa_classes": key,
+                # the chain of classes that rebuilds it (``orig`` may be a converted class)
+                "_mesa_classes": (mesa_cls, *vars(orig).get("_mesa_classes", (orig,))),
             },
         )
         _CONVERTED[key] = cls
@@ -206,9 +207,12 @@ def _reduce_converted(self, protocol):
     return (_new_converted, type(self)._mesa_classes) + tuple(rv[2:])
 
 
-def _new_converted(mesa_cls: type, orig: type) -> nn.Module:
-    """An empty instance of ``converted_class(mesa_cls, orig)``, for unpickling and copies."""
-    cls = converted_class(mesa_cls, orig)
+def _new_converted(*classes: type) -> nn.Module:
+    """An empty instance of ``converted_class(classes[0], converted_class(classes[1], ...
+    classes[-1]))``, for unpickling and copies."""
+    cls = classes[-1]
+    for mesa_cls in reversed(classes[:-1]):
+        cls = converted_class(mesa_cls, cls)
     return cls.__new__(cls)
 
 

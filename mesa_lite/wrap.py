@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch.nn as nn
 
+from mesa_lite import checkpoint as _ckpt
 from mesa_lite.config import LAYER_KINDS, Config, QuantSpec
 from mesa_lite.integrations import timm as _timm
 from mesa_lite.integrations import transformers as _transformers
@@ -269,6 +270,20 @@ def wrap(
                 f"Config.overrides: {pattern!r} matches no module of the model "
                 f"(names are those of model.named_modules(), e.g. {names[1:4]})"
             )
+    _ckpt.remove(model)
+    units = _ckpt.find_units(model, config)
+    if units:
+        _check_no_other_checkpointing(model)
+    unit_names = [n for n, _ in units]
+    user_filter = filter_fn
+    if units and config.checkpoint_inner == "exact":
+        # the layers inside checkpointed modules stay plain: their recompute keeps exact
+        # activations
+        def filter_fn(name, module, _user=user_filter):
+            if _ckpt.inside(name, unit_names):
+                return False
+            return _user is None or _user(name, module)
+
     converted: Counter[str] = Counter()
     specs: Counter[str] = Counter()
     exact: Counter[str] = Counter()
@@ -315,7 +330,8 @@ def wrap(
             stacklevel=2,
         )
     _fuse_blocks(model)
-    losses, losses_exact = _transformers.after_wrap(model, config, filter_fn)
+    _ckpt.apply(units, config.checkpoint_spec())
+    losses, losses_exact = _transformers.after_wrap(model, config, user_filter)
     for spec in losses:
         converted["loss"] += 1
         specs[spec.describe()] += 1
@@ -324,8 +340,30 @@ def wrap(
     line = _summary(
         type(model).__name__, converted, specs, exact, skipped, built, (before, changed, back)
     )
+    if units:
+        kinds = Counter(type(m).__name__ for _, m in units)
+        line += (
+            f"; checkpointed {len(units)} modules ({_kinds(kinds)}) keeping their input at "
+            f"{config.checkpoint_spec().describe()}, {config.checkpoint_inner} inside"
+        )
     logger.log(logging.WARNING if skipped else logging.INFO, line)
     return model
+
+
+def _check_no_other_checkpointing(model: nn.Module) -> None:
+    """Config.checkpoint replaces a model's own activation checkpointing; both at once would
+    recompute every block twice."""
+    for name, m in model.named_modules():
+        for flag, how in (
+            ("gradient_checkpointing", "model.gradient_checkpointing_disable()"),
+            ("grad_checkpointing", "model.set_grad_checkpointing(False)"),
+        ):
+            if getattr(m, flag, False) is True:
+                raise ValueError(
+                    f"wrap: Config.checkpoint replaces the model's own activation "
+                    f"checkpointing, which is on ({name or type(m).__name__}.{flag}); turn it "
+                    f"off first ({how})"
+                )
 
 
 def _restore(module: nn.Module, cls: type, spec: QuantSpec, orig: type) -> None:
@@ -388,6 +426,7 @@ def _supported_names() -> list[str]:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """Converts every mesa_lite module of ``model`` back to its original class, in place."""
+    _ckpt.remove(model)
     for _, module in list(model.named_modules()):
         if isinstance(module, MesaModule):
             module.to_original()

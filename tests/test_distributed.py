@@ -14,6 +14,9 @@ timm ViT, plain and wrapped from the same weights, on that rank's half of one ba
   plain model's: no unsharded copy of a parameter is held past its use.
 - Activation checkpointing (``checkpoint_wrapper`` per block) under DDP (with
   ``find_unused_parameters``) and FSDP2: ``debug_exact`` equals plain bit for bit.
+- Compressed checkpointing (``Config(checkpoint=...)``, issue 16) under DDP (with and without
+  ``find_unused_parameters``) and FSDP2 per block: ``debug_exact`` equals plain bit for bit,
+  8 bits within the floor.
 - ``benchmarks/train_deit.py --dist ddp|fsdp`` in the same process group, as under torchrun:
   checkpoints written, an FSDP2 run resumed from its ``torch.distributed.checkpoint``.
 """
@@ -111,6 +114,23 @@ def _ddp_checks(rank, world) -> dict:
         _step(model, xr, yr)
         ck.append(_grads(model))
     res["ddp-checkpointed-exact-equal"] = all(torch.equal(ck[0][n], ck[1][n]) for n in ck[0])
+    # compressed checkpointing (Config.checkpoint) under DDP, with and without
+    # find_unused_parameters: the parameters' gradients reach DDP's hooks through the graph
+    for unused in (False, True):
+        for exact in (True, False):
+            model = mesa_lite.wrap(
+                tiny_vit().train(), Config(checkpoint=["blocks.*"], debug_exact=exact)
+            )
+            model = DDP(model, find_unused_parameters=unused)
+            _step(model, xr, yr)
+            got = _grads(model)
+            key = f"ddp-ckpt-{'unused' if unused else 'static'}-{'exact' if exact else 'int8'}"
+            res[key + "-equal"] = all(torch.equal(got[n], ref[n]) for n in ref)
+            res[key + "-worst-db"] = min(sqnr_db(ref[n], got[n]) for n in ref)
+            flat = torch.cat([got[n].reshape(-1) for n in sorted(got)])
+            both = [torch.empty_like(flat) for _ in range(world)]
+            dist.all_gather(both, flat)
+            res[key + "-ranks-equal"] = all(torch.equal(both[0], b) for b in both)
     # gradient accumulation over two micro-batches, the first under no_sync
     for exact in (True, False):
         accum = {}
@@ -196,6 +216,20 @@ def _fsdp_checks(rank, world) -> dict:
     res["fsdp-checkpointed-exact-equal"] = torch.equal(ck["plain"][0], ck["exact"][0]) and all(
         torch.equal(ck["plain"][1][n], ck["exact"][1][n]) for n in ck["plain"][1]
     )
+    # compressed checkpointing of the blocks FSDP2 shards: the recompute runs on the gathered
+    # parameters of the backward's all-gather
+    for exact in (True, False):
+        model = mesa_lite.wrap(
+            tiny_vit().train(), Config(checkpoint=["blocks.*"], debug_exact=exact)
+        )
+        for block in model.blocks:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        loss, g = _step(model, xr, yr), _grads(model)
+        tag = "exact" if exact else "int8"
+        res[f"fsdp-ckpt-{tag}-loss-equal"] = torch.equal(loss, runs["plain"][0][0])
+        res[f"fsdp-ckpt-{tag}-grads-equal"] = all(torch.equal(g[n], runs["plain"][1][n]) for n in g)
+        res[f"fsdp-ckpt-{tag}-worst-db"] = min(sqnr_db(runs["plain"][1][n], g[n]) for n in g)
     loss0, g0, live0 = runs["plain"]
     for mode in ("exact", "int8"):
         loss, g, live = runs[mode]
@@ -267,6 +301,18 @@ def test_ddp_gradients(results, order):
         assert FLOOR_DB <= db < math.inf, f"8-bit DDP vs one process, whole batch: {db:.1f} dB"
 
 
+def test_ddp_compressed_checkpointing(results):
+    """Config(checkpoint=...) under DDP: debug_exact equals plain DDP bit for bit, 8 bits
+    within the floor, the ranks agree; with and without find_unused_parameters."""
+    for res in results:
+        for unused in ("static", "unused"):
+            key = f"ddp-ckpt-{unused}"
+            assert res[f"{key}-exact-ranks-equal"] and res[f"{key}-int8-ranks-equal"]
+            assert res[f"{key}-exact-equal"], f"{key}: debug_exact differs from plain DDP"
+            db = res[f"{key}-int8-worst-db"]
+            assert FLOOR_DB <= db < math.inf, f"{key}: {db:.1f} dB"
+
+
 def test_ddp_no_sync_accumulation(results):
     for res in results:
         assert res["ddp-checkpointed-exact-equal"], "checkpoint_wrapper + DDP"
@@ -281,6 +327,9 @@ def test_fsdp2(results):
     for r in results:
         assert r["fsdp-exact-losses-equal"] and r["fsdp-exact-grads-equal"]
         assert r["fsdp-checkpointed-exact-equal"], "checkpoint_wrapper + FSDP2"
+        assert r["fsdp-ckpt-exact-loss-equal"] and r["fsdp-ckpt-exact-grads-equal"]
+        assert r["fsdp-ckpt-int8-loss-equal"]
+        assert FLOOR_DB <= r["fsdp-ckpt-int8-worst-db"] < math.inf, r["fsdp-ckpt-int8-worst-db"]
         assert r["fsdp-int8-first-loss-equal"]  # forward exact; later steps follow the grads
         assert r["fsdp-int8-worst-db"] >= FLOOR_DB, r["fsdp-int8-worst-db"]
         # nothing alive between steps that the plain model does not hold: an unsharded copy

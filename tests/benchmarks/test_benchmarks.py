@@ -227,3 +227,33 @@ def test_overhead_times_every_kind_plain_and_wrapped(tmp_path):
         assert r["ratio"] == pytest.approx(r["wrapped_us"] / r["plain_us"])
         assert r["added_us"] == pytest.approx(r["wrapped_us"] - r["plain_us"])
     assert "| attention |" in (tmp_path / "ov.md").read_text()
+
+
+def test_checkpoint_pareto_cpu_rows_and_chart(tmp_path):
+    """The Pareto benchmark on CPU: one row per point with the ratios against plain, the SQNR
+    of one backward (timm's checkpointing exact), the front marked, the chart written."""
+    from benchmarks import checkpoint_pareto
+
+    out = tmp_path / "cp"
+    argv = ("--device cpu --img-size 32 --batch-size 2 --steps 1 --warmup 0 --sqnr-batch 2 "
+            "--dtype fp32 --points plain timm-ckpt int8 ckpt8").split()  # fmt: skip
+    rows = checkpoint_pareto.run(argv + ["--out", str(out)])
+    by = {r["point"]: r for r in rows}
+    assert set(by) == {"plain", "timm-ckpt", "int8", "ckpt8"} and not any(
+        "error" in r for r in rows
+    )
+    assert by["plain"]["memory_reduction"] == 1.0 and by["plain"]["step_ratio"] == 1.0
+    # what one forward keeps: compressed checkpointing keeps the least, then timm's
+    # checkpointing (exact block inputs), then compression alone
+    kept = {k: r["kept_for_backward_mib"] for k, r in by.items()}
+    assert kept["ckpt8"] < kept["timm-ckpt"] < kept["int8"] < kept["plain"]
+    assert by["timm-ckpt"]["sqnr_db"] == float("inf") and 35 < by["ckpt8"]["sqnr_db"] < 90
+    assert by["ckpt8"]["config"] == {"checkpoint": "blocks"}
+    for r in rows:  # on the front: no other point at least as good on both axes
+        beaten = any(o["memory_reduction"] >= r["memory_reduction"]
+                     and o["step_ratio"] <= r["step_ratio"] and o is not r for o in rows)  # fmt: skip
+        assert r["pareto"] == (not beaten), r["point"]
+    assert by["ckpt8"]["pareto"]  # the most saved
+    md = out.with_suffix(".md").read_text()
+    assert "| deit_tiny | ckpt int8, exact inside |" in md
+    assert out.with_suffix(".png").stat().st_size > 1000

@@ -1,0 +1,430 @@
+"""Compressed checkpointing: a block runs forward once without keeping anything for backward
+but a compressed copy of its input, and backward recomputes it from that copy.
+
+``wrap(model, Config(checkpoint=...))`` turns it on for a model's repeated blocks (found by
+structure, ``repeated_blocks``), for the attention or MLP part of each block, or for modules
+the user names. Each checkpointed module's class gains ``Checkpointed`` (the same class swap
+as the layers; ``unwrap`` or a new ``wrap`` takes it off). Its forward goes through
+``CheckpointFn``:
+
+- forward: its first positional argument (the block input, the residual stream) quantized as
+  ``Config.checkpoint_bits`` says, the RNG states (CPU and the input's device) and the
+  autocast state recorded, then the module's own forward under ``no_grad`` (the plain ops:
+  outputs bit-identical to plain training, no autograd graph, nothing kept).
+- backward: the input rebuilt from its codes, the forward run again with grad under the
+  recorded autocast state and RNG states (dropout and drop-path draw the same masks), and
+  ``torch.autograd.grad`` of the recomputed outputs against the rebuilt input and the module's
+  parameters, which are inputs of the Function: their gradients flow through the outer graph
+  (DDP's and FSDP's hooks and ``find_unused_parameters`` see them as in plain training).
+
+Inside the recompute the block's layers run compressed (``checkpoint_inner="compressed"``: the
+layers are wrapped as in the normal mode) or exact (``"exact"``: ``wrap`` leaves the layers
+inside checkpointed modules in their own class). Only one block's activations are alive at a
+time, during its backward.
+
+Other arguments (masks, rotary tables, a cross-attention input) are kept by reference as they
+are (they are shared by every block); those that need grad are inputs of the Function too
+(exact) so that their gradients flow. A Hugging Face ``GradientCheckpointingLayer`` drops its
+k/v cache arguments as Hugging Face's own checkpointing does (a cache written in forward would
+be written again by the recompute). Under ``torch.compile`` the checkpointed call is a graph
+break (it runs eagerly); inside torch.func transforms, in eval mode or with grad off the module
+runs its plain forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import functools
+import logging
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from mesa_lite import quant
+from mesa_lite.config import Config, QuantSpec
+from mesa_lite.modules import _set_class, base_type, converted_class
+from mesa_lite.ops.common import first_order_only, in_functorch_transform, warn_once
+
+__all__ = ["Checkpointed", "CheckpointFn", "repeated_blocks", "find_units", "apply", "remove"]
+
+logger = logging.getLogger("mesa_lite")
+
+# child names of a block's attention and MLP parts (timm, Hugging Face), in order of preference
+ATTENTION_NAMES = ("attn", "self_attn", "attention", "self_attention")
+MLP_NAMES = ("mlp", "feed_forward", "ffn", "mlp_block")
+
+# Hugging Face's names for a layer's k/v cache arguments
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+# ---- finding the blocks ----------------------------------------------------------------------
+
+
+def _has_params(m: nn.Module) -> bool:
+    return next(m.parameters(), None) is not None
+
+
+def _is_block(m: nn.Module) -> bool:
+    """A block holds parameterized children of at least two types (a norm and an attention, a
+    convolution and a norm), not one repeated kind of layer (an expert's three projections)."""
+    kinds = {type(c) for c in m.children() if _has_params(c)}
+    return len(kinds) >= 2
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """A model's repeated blocks, by structure, in ``named_modules`` order.
+
+    Candidates are the children of an ``nn.ModuleList`` or ``nn.Sequential`` of which at least
+    two share one class that is a block (``_is_block``): timm's ``blocks``, Hugging Face's
+    ``layers``, ``h`` and ``encoder.layer``. Where candidates nest (Swin's and ConvNeXt's
+    stages hold their blocks) the innermost are taken.
+    """
+    found: list[tuple[str, nn.Module]] = []
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)):
+            continue
+        kids = [(f"{name}.{k}" if name else k, c) for k, c in m.named_children()]
+        counts: dict[type, int] = {}
+        for _, c in kids:
+            counts[type(c)] = counts.get(type(c), 0) + 1
+        for n, c in kids:
+            if counts[type(c)] >= 2 and _is_block(c):
+                found.append((n, c))
+    names = [n for n, _ in found]
+    return [(n, c) for n, c in found if not any(o.startswith(n + ".") for o in names)]
+
+
+def _part(block_name: str, block: nn.Module, names: tuple[str, ...], what: str):
+    for n in names:
+        child = getattr(block, n, None)
+        if isinstance(child, nn.Module) and _has_params(child):
+            return f"{block_name}.{n}", child
+    raise ValueError(
+        f"Config.checkpoint={what!r}: block {block_name!r} ({type(block).__name__}) has no "
+        f"{what} child named one of {list(names)}; name the modules to checkpoint instead "
+        f"(Config(checkpoint=['{block_name}.<child>', ...]))"
+    )
+
+
+def find_units(model: nn.Module, config: Config) -> list[tuple[str, nn.Module]]:
+    """The modules ``config.checkpoint`` selects, in ``named_modules`` order.
+
+    ``"blocks"``, ``"attention"`` and ``"mlp"`` start from ``repeated_blocks``; of those, every
+    ``checkpoint_every``-th is taken (the first, then every k-th after it), never the last: its
+    backward comes first, right after forward, so recomputing it would cost time and save
+    nothing at the peak. Names or globs select exactly the modules they match (then
+    ``checkpoint_every`` applies to that list too, and the last is kept); a glob's matches
+    that lie inside another of its matches are dropped (``"blocks.*"`` is the blocks).
+
+    Raises:
+        ValueError: nothing found, a pattern that matches no module, or units that nest.
+    """
+    what = config.checkpoint
+    if what is None:
+        return []
+    if isinstance(what, str):
+        blocks = repeated_blocks(model)
+        if not blocks:
+            raise ValueError(
+                f"Config.checkpoint={what!r}: found no repeated blocks in "
+                f"{type(model).__name__} (an nn.ModuleList or nn.Sequential of two or more "
+                "modules of one class, each with parameterized children of two or more "
+                "types); name the modules to checkpoint instead, e.g. "
+                "Config(checkpoint=['encoder.*'])"
+            )
+        blocks = blocks[:-1][:: config.checkpoint_every]
+        if what == "blocks":
+            return blocks
+        names = ATTENTION_NAMES if what == "attention" else MLP_NAMES
+        return [_part(n, b, names, what) for n, b in blocks]
+    modules = list(model.named_modules())
+    units = []
+    for pattern in what:
+        hits = [(n, m) for n, m in modules if n == pattern or fnmatch.fnmatchcase(n, pattern)]
+        # a glob's matches inside another of its matches are dropped ("blocks.*" matches
+        # "blocks.0.mlp" too)
+        hits = [h for h in hits if not inside(h[0], [n for n, _ in hits])]
+        if not hits:
+            raise ValueError(
+                f"Config.checkpoint: {pattern!r} matches no module of the model (names are "
+                f"those of model.named_modules(), e.g. {[n for n, _ in modules[1:4]]})"
+            )
+        units.extend(h for h in hits if h[0] not in {n for n, _ in units})
+    order = {n: i for i, (n, _) in enumerate(modules)}
+    units.sort(key=lambda u: order[u[0]])
+    for n, _ in units:
+        inner = [o for o, _ in units if o.startswith(n + ".") or (n == "" and o)]
+        if inner:
+            raise ValueError(
+                f"Config.checkpoint: {inner[0]!r} lies inside {n!r}, also checkpointed; "
+                "checkpointed modules must not nest"
+            )
+    return units[:: config.checkpoint_every]
+
+
+def inside(name: str, units: list[str]) -> bool:
+    """Whether module ``name`` lies strictly inside one of ``units``."""
+    return any(name.startswith(u + ".") or (u == "" and name) for u in units)
+
+
+# ---- the Function ----------------------------------------------------------------------------
+
+
+class _Call:
+    """One checkpointed call: how to run it again and what it recorded."""
+
+    __slots__ = ("module", "run", "leaves", "treespec", "slots", "params", "formats",
+                 "autocast", "rng", "out_spec", "out_slots", "out_rest")  # fmt: skip
+
+
+def _autocast_state(device_type: str) -> tuple:
+    """The autocast settings to re-enter in the recompute (as ``torch.utils.checkpoint``)."""
+    cache = torch.is_autocast_cache_enabled()
+    return tuple(
+        (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev), cache)
+        for dev in dict.fromkeys((device_type, "cpu"))
+    )
+
+
+def _rng_state(device: torch.device) -> tuple:
+    if device.type == "cuda":
+        return torch.get_rng_state(), device.index, torch.cuda.get_rng_state(device)
+    return torch.get_rng_state(), None, None
+
+
+@contextlib.contextmanager
+def _replay(state: _Call):
+    """The recorded RNG and autocast states, and grad mode; the caller's RNG states are
+    restored after."""
+    cpu, index, dev_state = state.rng
+    devices = [] if index is None else [index]
+    with torch.random.fork_rng(devices=devices, device_type="cuda"), contextlib.ExitStack() as st:
+        torch.set_rng_state(cpu)
+        if dev_state is not None:
+            torch.cuda.set_rng_state(dev_state, index)
+        for dev, enabled, dtype, cache in state.autocast:
+            st.enter_context(torch.autocast(dev, dtype=dtype, enabled=enabled, cache_enabled=cache))
+        st.enter_context(torch.enable_grad())
+        yield
+
+
+def _format(t: torch.Tensor):
+    """The memory format to give a rebuilt input (channels_last stays channels_last)."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+    if fmt is not None and not t.is_contiguous() and t.is_contiguous(memory_format=fmt):
+        return fmt
+    return None
+
+
+def _differentiable(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def _release(out: torch.Tensor, taken: set[int]) -> None:
+    """Frees a recomputed output's memory before its backward runs, where nothing can need
+    it: an output made by an out-of-place add (the residual add that ends a block; the add
+    keeps nothing for backward, and nothing inside the block ran after it), or a view of one.
+    Only the graph behind it is used, and one block's output less is alive at the peak."""
+    base = out if out._base is None else out._base
+    fn = base.grad_fn
+    if base._base is not None or fn is None or fn.name() != "AddBackward0":
+        return
+    storage = base.untyped_storage()
+    if storage.data_ptr() not in taken:
+        storage.resize_(0)
+
+
+class CheckpointFn(torch.autograd.Function):
+    """``state.run`` with nothing kept for backward but a copy of each argument in
+    ``state.slots``: compressed (the block input) or the tensor itself (other arguments that
+    need grad); backward recomputes (see the module docstring).
+
+    ``tensors``: the ``state.slots`` tensors, then the parameters in ``state.params``.
+    Returns the run's floating-point outputs (``state.out_slots`` of its flattened output).
+    """
+
+    @staticmethod
+    def forward(ctx, state: _Call, spec: QuantSpec, *tensors):
+        given = tensors[: len(state.slots)]
+        kept = [
+            quant.quantize(t, spec) if c else t
+            for (_, c), t in zip(state.slots, given, strict=True)
+        ]
+        state.rng = _rng_state(given[0].device if given else torch.device("cpu"))
+        leaves = list(state.leaves)
+        for (i, _), t in zip(state.slots, given, strict=True):
+            leaves[i] = t
+        args, kwargs = tree_unflatten(leaves, state.treespec)
+        flat, state.out_spec = tree_flatten(state.run(*args, **kwargs))
+        state.out_slots = tuple(i for i, t in enumerate(flat) if _differentiable(t))
+        state.out_rest = flat  # the caller takes the other leaves and drops this
+        quant.save(ctx, *kept)
+        ctx.state = state
+        return tuple(flat[i] for i in state.out_slots)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, *grads):
+        state: _Call = ctx.state
+        needs = ctx.needs_input_grad[2:]
+        inputs = []
+        rows = zip(quant.load(ctx), state.slots, state.formats, needs, strict=False)
+        for item, (_, compress), fmt, need in rows:
+            t = quant.dequantize(item) if compress else item.detach()
+            if fmt is not None:
+                t = t.contiguous(memory_format=fmt)
+            inputs.append(t.requires_grad_(need))
+        leaves = list(state.leaves)
+        for (i, _), t in zip(state.slots, inputs, strict=True):
+            leaves[i] = t
+        args, kwargs = tree_unflatten(leaves, state.treespec)
+        with _replay(state):
+            flat, _ = tree_flatten(state.run(*args, **kwargs))
+        outs, gouts = [], []
+        for i, g in zip(state.out_slots, grads, strict=True):
+            o = flat[i]
+            if g is not None and isinstance(o, torch.Tensor) and o.requires_grad:
+                outs.append(o)
+                gouts.append(g)
+        del flat
+        taken = {t.untyped_storage().data_ptr() for t in inputs}
+        for o in outs:
+            _release(o, taken)
+        params = state.params
+        if params:  # the tensors the recompute used (FSDP2 may gather into new ones)
+            now = tuple(p for p in state.module.parameters() if p.requires_grad)
+            if len(now) == len(params):
+                params = now
+        wrt = [t for t, need in zip((*inputs, *params), needs, strict=True) if need]
+        got = iter(torch.autograd.grad(outs, wrt, gouts, allow_unused=True) if outs and wrt else ())
+        result = [next(got, None) if need else None for need in needs]
+        return (None, None, *result)
+
+
+# ---- the module side -------------------------------------------------------------------------
+
+
+def _is_hf_layer(module: nn.Module) -> bool:
+    return any(k.__name__ == "GradientCheckpointingLayer" for k in type(module).__mro__)
+
+
+def _is_cache(x) -> bool:
+    return any(k.__name__ == "Cache" for k in type(x).__mro__)
+
+
+def _drop_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Hugging Face's own rule under gradient checkpointing: no k/v cache in the layer (the
+    recompute would write it again), ``use_cache=False``. A cache may come positionally
+    (GPT-2's blocks take ``past_key_values`` second)."""
+    if getattr(module, "_can_checkpoint_with_cache", False):
+        return args, kwargs
+    drop = [i for i, a in enumerate(args) if _is_cache(a)]
+    names = [k for k, v in kwargs.items() if v is not None and (k in _CACHE_KWARGS or _is_cache(v))]
+    if not (drop or names or kwargs.get("use_cache")):
+        return args, kwargs
+    args = tuple(None if i in drop else a for i, a in enumerate(args))
+    kwargs = {k: None if k in names else v for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    warn_once(
+        "checkpoint-cache",
+        f"mesa_lite: checkpointed {type(module).__name__} layers run without their k/v cache "
+        "in training (as with Hugging Face's gradient checkpointing): the model returns no "
+        "filled cache",
+    )
+    return args, kwargs
+
+
+@functools.cache
+def _row_spec(spec: QuantSpec, row: int) -> QuantSpec:
+    """``spec`` with groups that do not straddle rows of ``row`` elements: the residual stream
+    is not normalized, and a token whose values are larger than its neighbours' would set the
+    scale of theirs. The largest divisor of ``row`` up to ``spec.group_size`` that packs
+    whole bytes; ``spec`` itself when ``row`` is a multiple of its group size or none fits."""
+    if spec.exact or row % spec.group_size == 0:
+        return spec
+    unit = 8 // spec.bits
+    for g in range(min(spec.group_size, row), 0, -1):
+        if row % g == 0 and g % unit == 0:
+            return dataclasses.replace(spec, group_size=g)
+    return spec
+
+
+@torch.compiler.disable
+def _call(module: nn.Module, run, spec: QuantSpec, args: tuple, kwargs: dict):
+    leaves, treespec = tree_flatten((args, kwargs))
+    # the block input, compressed: the first positional argument's tensors (its leaves come
+    # first); the other arguments (masks, rotary tables, a cross-attention input) are kept as
+    # they are, and those that need grad are inputs of the Function
+    n_input = len(tree_flatten(args[0])[0]) if args else 0
+    slots = []
+    for i, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            if i < n_input:
+                slots.append((i, True))
+            elif t.requires_grad:
+                slots.append((i, False))
+    params = tuple(p for p in module.parameters() if p.requires_grad)
+    tensors = [leaves[i] for i, _ in slots]
+    if not params and not any(t.requires_grad for t in tensors):
+        return run(*args, **kwargs)
+    state = _Call()
+    state.module = module
+    state.run = run
+    state.slots = tuple(slots)
+    state.params = params
+    state.treespec = treespec
+    state.formats = tuple(_format(t) for t in tensors)
+    taken = {i for i, _ in slots}
+    state.leaves = tuple(None if i in taken else x for i, x in enumerate(leaves))
+    device = tensors[0].device.type if tensors else "cpu"
+    state.autocast = _autocast_state(device)
+    if slots and slots[0][1] and tensors[0].dim():
+        spec = _row_spec(spec, tensors[0].shape[-1])
+    outs = CheckpointFn.apply(state, spec, *tensors, *params)
+    flat = state.out_rest
+    state.out_rest = None
+    for i, o in zip(state.out_slots, outs, strict=True):
+        flat[i] = o
+    return tree_unflatten(flat, state.out_spec)
+
+
+class Checkpointed:
+    """Mixin of a checkpointed module's class: its forward runs through ``CheckpointFn`` when
+    training with grad (see the module docstring); ``_mesa_ckpt_spec`` holds the setting of
+    the copy of its input."""
+
+    def forward(self, *args, **kwargs):
+        spec = self.__dict__.get("_mesa_ckpt_spec")
+        run = super().forward
+        if spec is None or not (self.training and torch.is_grad_enabled()):
+            return run(*args, **kwargs)
+        if in_functorch_transform():
+            return run(*args, **kwargs)
+        if _is_hf_layer(self):
+            args, kwargs = _drop_cache(self, args, kwargs)
+        return _call(self, run, spec, args, kwargs)
+
+
+def apply(units: list[tuple[str, nn.Module]], spec: QuantSpec) -> None:
+    """Makes each unit ``Checkpointed`` (its class over the one it has), keeping ``spec``."""
+    for _, module in units:
+        before = type(module)
+        _set_class(module, converted_class(Checkpointed, base_type(module)))
+        module.__dict__["_mesa_ckpt_cls"] = before
+        module.__dict__["_mesa_ckpt_spec"] = spec
+
+
+def remove(model: nn.Module) -> int:
+    """Takes ``Checkpointed`` off every module of ``model``; returns how many."""
+    n = 0
+    for module in model.modules():
+        cls = module.__dict__.pop("_mesa_ckpt_cls", None)
+        module.__dict__.pop("_mesa_ckpt_spec", None)
+        if cls is not None:
+            module.__class__ = cls
+            n += 1
+    return n
