@@ -208,7 +208,8 @@ def run_digits(args) -> list[dict]:
     data = digits_data()
     env = environment()
     extra = parse_config(args.config)
-    configs = [("plain", None)] + [(f"mesa int{b}", b) for b in args.bits]
+    suffix = "".join(f" {k}={v}" for k, v in extra.items())  # e.g. " checkpoint=blocks"
+    configs = [("plain", None)] + [(f"mesa int{b}{suffix}", b) for b in args.bits]
     if args.control:
         configs.append(("plain perturbed", "perturb"))
     rows = []

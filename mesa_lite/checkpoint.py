@@ -17,10 +17,12 @@ as the layers; ``unwrap`` or a new ``wrap`` takes it off). Its forward goes thro
   parameters, which are inputs of the Function: their gradients flow through the outer graph
   (DDP's and FSDP's hooks and ``find_unused_parameters`` see them as in plain training).
 
-Inside the recompute the block's layers run compressed (``checkpoint_inner="compressed"``: the
-layers are wrapped as in the normal mode) or exact (``"exact"``: ``wrap`` leaves the layers
-inside checkpointed modules in their own class). Only one block's activations are alive at a
-time, during its backward.
+Inside the recompute the block's layers run exact (``checkpoint_inner="exact"``: ``wrap``
+leaves the layers inside checkpointed modules in their own class), exact but for the norms
+(``"norms"``, the default: a LayerNorm's fp32 input is the largest tensor a block keeps, and
+the compressed norm is nearly as fast), or compressed (``"compressed"``: the layers are
+wrapped as in the normal mode). Only one block's activations are alive at a time, during its
+backward.
 
 Other arguments (masks, rotary tables, a cross-attention input) are kept by reference as they
 are (they are shared by every block); those that need grad are inputs of the Function too

@@ -19,6 +19,12 @@ ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 SUPPORTED_BITS: tuple[int, ...] = (8, 4, 2)
 # Config.checkpoint's structural modes (mesa_lite.checkpoint.find_units)
 CHECKPOINT_MODES = ("blocks", "attention", "mlp")
+# Config.checkpoint_inner: the layer kinds wrapped inside checkpointed modules
+CHECKPOINT_INNER = {
+    "exact": frozenset(),
+    "norms": frozenset({"layernorm", "rmsnorm"}),
+    "compressed": frozenset(LAYER_KINDS),
+}
 _OVERRIDE_FIELDS = ("bits", "group_size", "rounding", "enabled")
 
 
@@ -162,9 +168,11 @@ class Config:
             k-th); with the structural modes the last block is never checkpointed.
         checkpoint_bits: code width of the checkpointed modules' input copy; None: ``bits``.
             It uses ``group_size`` and ``rounding`` (None: nearest at 8 bits, stochastic below).
-        checkpoint_inner: ``"exact"``: the layers inside checkpointed modules stay plain
-            (the recompute keeps exact activations, one block at a time); ``"compressed"``: they
-            are wrapped as everywhere else.
+        checkpoint_inner: what the recompute of a checkpointed module keeps (one module at a
+            time): ``"exact"``: its layers stay plain; ``"norms"`` (the default): only its
+            LayerNorms and RMSNorms are wrapped (their fp32 inputs are the largest tensors a
+            transformer block keeps; the rest stays exact and fast); ``"compressed"``: every
+            layer is wrapped as everywhere else.
     """
 
     bits: int = 8
@@ -176,7 +184,7 @@ class Config:
     checkpoint: str | tuple[str, ...] | None = None
     checkpoint_every: int = 1
     checkpoint_bits: int | None = None
-    checkpoint_inner: str = "exact"
+    checkpoint_inner: str = "norms"
 
     def __post_init__(self) -> None:
         _check_bits(self.bits)
@@ -250,9 +258,10 @@ class Config:
         if self.checkpoint_bits is not None:
             _check_bits(self.checkpoint_bits, "checkpoint_bits")
             _check_packing(self.checkpoint_bits, self.group_size, "group_size")
-        if self.checkpoint_inner not in ("exact", "compressed"):
+        if self.checkpoint_inner not in CHECKPOINT_INNER:
             raise ValueError(
-                f"checkpoint_inner must be 'exact' or 'compressed', got {self.checkpoint_inner!r}"
+                f"checkpoint_inner must be one of {list(CHECKPOINT_INNER)}, "
+                f"got {self.checkpoint_inner!r}"
             )
 
     def checkpoint_spec(self) -> QuantSpec:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch.nn as nn
 
 from mesa_lite import checkpoint as _ckpt
-from mesa_lite.config import LAYER_KINDS, Config, QuantSpec
+from mesa_lite.config import CHECKPOINT_INNER, LAYER_KINDS, Config, QuantSpec
 from mesa_lite.integrations import timm as _timm
 from mesa_lite.integrations import transformers as _transformers
 from mesa_lite.modules import (
@@ -276,12 +276,15 @@ def wrap(
         _check_no_other_checkpointing(model)
     unit_names = [n for n, _ in units]
     user_filter = filter_fn
-    if units and config.checkpoint_inner == "exact":
-        # the layers inside checkpointed modules stay plain: their recompute keeps exact
-        # activations
+    inner = CHECKPOINT_INNER[config.checkpoint_inner]
+    if units and inner != CHECKPOINT_INNER["compressed"]:
+        # inside checkpointed modules only the kinds ``checkpoint_inner`` names are wrapped;
+        # the others stay plain (their recompute keeps exact activations)
         def filter_fn(name, module, _user=user_filter):
             if _ckpt.inside(name, unit_names):
-                return False
+                found = _lookup(base_type(module), module)
+                if found is None or found[1].kind not in inner:
+                    return False
             return _user is None or _user(name, module)
 
     converted: Counter[str] = Counter()
