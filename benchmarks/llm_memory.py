@@ -78,7 +78,10 @@ MODES = {
     "int8": "mesa_lite.wrap(model)",
     "int4": "mesa_lite.wrap(model, Config(bits=4))",
     "hf-ckpt": "model.gradient_checkpointing_enable()",
+    "ckpt8": "mesa_lite.wrap(model, Config(checkpoint='blocks')): compressed checkpointing",
+    "ckpt4": "mesa_lite.wrap(model, Config(checkpoint='blocks', checkpoint_bits=4))",
 }
+DEFAULT_MODES = ["plain", "int8", "int4", "hf-ckpt"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="models (default: gpt2 gpt2-medium llama-1b bert on a GPU, tiny-gpt2 on "
                    "CPU): "
                    + "; ".join(f"{k}: {v}" for k, v in MODELS.items()))  # fmt: skip
-    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=DEFAULT_MODES,
                    help="rows: " + ", ".join(f"{k} = {v}" for k, v in MODES.items()))  # fmt: skip
     p.add_argument("--batch", type=positive_int, default=None,
                    help="sequences per batch (default: 8 on a GPU, 2 on CPU)")  # fmt: skip
@@ -177,6 +180,9 @@ def make_model(name: str, mode: str, attention: str = "sdpa", config=None):
         mesa_lite.wrap(model, mesa_lite.Config(bits=4))
     elif mode == "hf-ckpt":
         model.gradient_checkpointing_enable()
+    elif mode in ("ckpt8", "ckpt4"):
+        bits = 8 if mode == "ckpt8" else 4
+        mesa_lite.wrap(model, mesa_lite.Config(checkpoint="blocks", checkpoint_bits=bits))
     return model
 
 
