@@ -26,11 +26,24 @@ backward.
 
 Other arguments (masks, rotary tables, a cross-attention input) are kept by reference as they
 are (they are shared by every block); those that need grad are inputs of the Function too
-(exact) so that their gradients flow. A Hugging Face ``GradientCheckpointingLayer`` drops its
-k/v cache arguments as Hugging Face's own checkpointing does (a cache written in forward would
-be written again by the recompute). Under ``torch.compile`` the checkpointed call is a graph
-break (it runs eagerly); inside torch.func transforms, in eval mode or with grad off the module
-runs its plain forward.
+(exact) so that their gradients flow.
+
+k/v caches: the recompute never writes a cache. A Hugging Face ``GradientCheckpointingLayer``
+(``checkpoint="blocks"`` on a decoder) drops its k/v cache arguments and ``use_cache`` as
+Hugging Face's own checkpointing does (a one-time warning; the model returns no filled cache
+for those layers). Any other checkpointed module given a cache (``checkpoint="attention"``:
+Hugging Face passes ``past_key_values`` to each attention, ``use_cache=True`` being the
+default in training too) writes it in its forward as usual, and its recompute runs with the
+cache arguments replaced by None. That is exact when the cache held nothing for the module's
+layers (its ``layer_idx``, and those of modules inside it) before the forward, which is
+checked at forward time: a cache holding tokens, a static cache, or a module with no
+``layer_idx`` is refused with a ValueError that says to pass ``use_cache=False``. The cache
+the forward fills holds the same keys and values as in plain training, computed without grad.
+Caches are kept whole through the argument flattening (not rebuilt if exporting code made
+them pytree nodes).
+
+Under ``torch.compile`` the checkpointed call is a graph break (it runs eagerly); inside
+torch.func transforms, in eval mode or with grad off the module runs its plain forward.
 """
 
 from __future__ import annotations
@@ -179,7 +192,25 @@ class _Call:
     """One checkpointed call: how to run it again and what it recorded."""
 
     __slots__ = ("module", "run", "leaves", "treespec", "slots", "params", "formats",
-                 "autocast", "rng", "out_spec", "out_slots", "out_rest")  # fmt: skip
+                 "autocast", "rng", "out_spec", "out_slots", "out_rest", "no_cache")  # fmt: skip
+
+
+def _is_cache(x) -> bool:
+    return _cache_type(type(x))
+
+
+@functools.cache
+def _cache_type(cls: type) -> bool:
+    """A Hugging Face k/v cache class (``transformers.Cache`` or a subclass), known by name
+    (transformers is not imported)."""
+    return any(k.__name__ == "Cache" for k in cls.__mro__)
+
+
+def _flatten(tree) -> tuple[list, object]:
+    """``tree_flatten`` with Hugging Face caches kept whole as leaves: exporting code may
+    register them as pytree nodes, and unflattening would then build a new cache object, so
+    that the forward would write into a copy instead of the caller's cache."""
+    return tree_flatten(tree, is_leaf=_is_cache)
 
 
 def _autocast_state(device_type: str) -> tuple:
@@ -260,7 +291,7 @@ class CheckpointFn(torch.autograd.Function):
         for (i, _), t in zip(state.slots, given, strict=True):
             leaves[i] = t
         args, kwargs = tree_unflatten(leaves, state.treespec)
-        flat, state.out_spec = tree_flatten(state.run(*args, **kwargs))
+        flat, state.out_spec = _flatten(state.run(*args, **kwargs))
         state.out_slots = tuple(i for i, t in enumerate(flat) if _differentiable(t))
         state.out_rest = flat  # the caller takes the other leaves and drops this
         quant.save(ctx, *kept)
@@ -282,9 +313,11 @@ class CheckpointFn(torch.autograd.Function):
         leaves = list(state.leaves)
         for (i, _), t in zip(state.slots, inputs, strict=True):
             leaves[i] = t
+        for i in state.no_cache:  # the forward wrote the cache; the recompute runs without
+            leaves[i] = None
         args, kwargs = tree_unflatten(leaves, state.treespec)
         with _replay(state):
-            flat, _ = tree_flatten(state.run(*args, **kwargs))
+            flat, _ = _flatten(state.run(*args, **kwargs))
         outs, gouts = [], []
         for i, g in zip(state.out_slots, grads, strict=True):
             o = flat[i]
@@ -313,10 +346,6 @@ def _is_hf_layer(module: nn.Module) -> bool:
     return any(k.__name__ == "GradientCheckpointingLayer" for k in type(module).__mro__)
 
 
-def _is_cache(x) -> bool:
-    return any(k.__name__ == "Cache" for k in type(x).__mro__)
-
-
 def _drop_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Hugging Face's own rule under gradient checkpointing: no k/v cache in the layer (the
     recompute would write it again), ``use_cache=False``. A cache may come positionally
@@ -340,6 +369,64 @@ def _drop_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
     return args, kwargs
 
 
+def _cache_slots(module: nn.Module, leaves: list) -> tuple[int, ...]:
+    """The leaves that are k/v caches the forward may write, to be passed as None in the
+    recompute; checked empty for the module's layers (see ``_check_empty_cache``). A Hugging
+    Face layer that only reads its cache (``_can_checkpoint_with_cache``) keeps it."""
+    slots = tuple(i for i, x in enumerate(leaves) if _is_cache(x))
+    if not slots or getattr(module, "_can_checkpoint_with_cache", False):
+        return ()
+    for i in slots:
+        _check_empty_cache(module, leaves[i])
+    return slots
+
+
+def _check_empty_cache(module: nn.Module, cache) -> None:
+    """The recompute runs without the cache: right only where the cache held nothing for the
+    module's layers before its forward (training from scratch, the cache Hugging Face makes
+    with ``use_cache=True``). Then attention over the cache is attention over the new keys
+    and values alone, as without a cache. A cache holding earlier tokens, or a static one
+    (its keys padded to the cache's length), cannot be recomputed without writing it again."""
+    name = type(module).__name__
+    layers = sorted({
+        m.layer_idx for m in module.modules()
+        if isinstance(getattr(m, "layer_idx", None), int)
+    })  # fmt: skip
+    how = (
+        "pass use_cache=False (and no past_key_values) to the model in training, or leave "
+        "this module out of Config.checkpoint"
+    )
+    if not layers:
+        raise ValueError(
+            f"mesa_lite: checkpointed {name} was given a k/v cache ({type(cache).__name__}) "
+            "but has no layer_idx, so mesa_lite cannot tell which cache layers its forward "
+            f"writes (its recompute in backward must not write them again); {how}"
+        )
+    per_layer = getattr(cache, "layers", None)
+    for i in layers:
+        layer = per_layer[i] if per_layer is not None and i < len(per_layer) else cache
+        if getattr(layer, "is_compileable", False):
+            raise ValueError(
+                f"mesa_lite: checkpointed {name} (layer {i}) was given a static k/v cache "
+                f"({type(cache).__name__}); its recompute in backward would run without the "
+                f"cache, over other key lengths; {how}"
+            )
+        try:
+            held = cache.get_seq_length(i)
+        except Exception as e:  # a layer that does not track lengths (linear attention)
+            raise ValueError(
+                f"mesa_lite: checkpointed {name} (layer {i}) was given a k/v cache "
+                f"({type(cache).__name__}) whose length mesa_lite cannot read ({e}); {how}"
+            ) from e
+        if held:
+            raise ValueError(
+                f"mesa_lite: checkpointed {name} (layer {i}) was given a k/v cache "
+                f"({type(cache).__name__}) that already holds {held} tokens for its layer; "
+                "its recompute in backward cannot attend to them without writing the cache a "
+                f"second time; {how}"
+            )
+
+
 @functools.cache
 def _row_spec(spec: QuantSpec, row: int) -> QuantSpec:
     """``spec`` with groups that do not straddle rows of ``row`` elements: the residual stream
@@ -357,11 +444,11 @@ def _row_spec(spec: QuantSpec, row: int) -> QuantSpec:
 
 @torch.compiler.disable
 def _call(module: nn.Module, run, spec: QuantSpec, args: tuple, kwargs: dict):
-    leaves, treespec = tree_flatten((args, kwargs))
+    leaves, treespec = _flatten((args, kwargs))
     # the block input, compressed: the first positional argument's tensors (its leaves come
     # first); the other arguments (masks, rotary tables, a cross-attention input) are kept as
     # they are, and those that need grad are inputs of the Function
-    n_input = len(tree_flatten(args[0])[0]) if args else 0
+    n_input = len(_flatten(args[0])[0]) if args else 0
     slots = []
     for i, t in enumerate(leaves):
         if isinstance(t, torch.Tensor) and t.is_floating_point():
@@ -382,6 +469,7 @@ def _call(module: nn.Module, run, spec: QuantSpec, args: tuple, kwargs: dict):
     state.formats = tuple(_format(t) for t in tensors)
     taken = {i for i, _ in slots}
     state.leaves = tuple(None if i in taken else x for i, x in enumerate(leaves))
+    state.no_cache = _cache_slots(module, leaves)
     device = tensors[0].device.type if tensors else "cpu"
     state.autocast = _autocast_state(device)
     if slots and slots[0][1] and tensors[0].dim():
