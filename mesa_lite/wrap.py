@@ -26,6 +26,7 @@ from collections.abc import Callable
 import torch.nn as nn
 
 from mesa_lite import checkpoint as _ckpt
+from mesa_lite import recognize
 from mesa_lite.config import CHECKPOINT_INNER, LAYER_KINDS, Config, QuantSpec
 from mesa_lite.integrations import timm as _timm
 from mesa_lite.integrations import transformers as _transformers
@@ -109,18 +110,20 @@ def register(
 for _args in (*_timm.registrations(), *_transformers.registrations()):
     register(*_args)
 
-# Types known by structure rather than by name (transformers' RMSNorm and attention classes):
-# (matches(module), mesa_lite class, kind, accepts or None, why accepts rejects)
-_STRUCTURAL: list[tuple] = list(_transformers.structural())
+# Types known by structure rather than by name (RMSNorms proved equal to their formula,
+# transformers' attention classes): (matches(module), mesa_lite class, kind, accepts or None,
+# why accepts rejects); ``accepts`` may return the reason itself instead of False
+_STRUCTURAL: list[tuple] = [*recognize.structural(), *_transformers.structural()]
 
 # Block types whose halves may run as block-level Functions when their layers are wrapped
 # alike (``modules.FusedBlock``); exactly these types (a subclass may compute otherwise)
 _BLOCKS: dict[type, type] = dict(_timm.block_registrations())
-# and blocks recognised by structure: module -> FusedBlock class or None
-_BLOCK_MATCHERS: list[Callable] = list(_transformers.block_matchers())
+# and blocks recognised by proof (``mesa_lite.recognize``): module -> FusedBlock class, the
+# reason a candidate was refused, or None
+_BLOCK_MATCHERS: list[Callable] = list(recognize.block_matchers())
 
 
-def _fused_class(module: nn.Module) -> type | None:
+def _fused_class(module: nn.Module) -> type | str | None:
     fused = _BLOCKS.get(base_type(module))
     if fused is not None:
         return fused
@@ -131,17 +134,22 @@ def _fused_class(module: nn.Module) -> type | None:
     return None
 
 
-def _fuse_blocks(model: nn.Module) -> None:
-    """Converts the registered blocks of ``model`` that hold a converted layer (unfused
-    first, so that wrapping again starts afresh)."""
+def _fuse_blocks(model: nn.Module) -> Counter[tuple[str, str]]:
+    """Converts the registered and recognised blocks of ``model`` that hold a converted layer
+    (unfused first, so that wrapping again starts afresh); returns the candidates refused,
+    ``(class name, why)`` -> count."""
+    refused: Counter[tuple[str, str]] = Counter()
     for module in model.modules():
         if isinstance(module, FusedBlock):
             module.unfuse()
         if not any(isinstance(m, MesaModule) for m in module.modules()):
             continue
         fused = _fused_class(module)
-        if fused is not None:
+        if isinstance(fused, str):
+            refused[(type(module).__name__, fused)] += 1
+        elif fused is not None:
             fused.fuse(module)
+    return refused
 
 
 def wrapped_modules(model: nn.Module) -> dict[str, MesaModule]:
@@ -213,8 +221,10 @@ def _plan(
         if owner is not cls:
             why = f"subclass of {registered.__name__}; {owner.__name__} overrides forward"
         return _Plan(entry.kind, skip=why)
-    if entry.accepts is not None and not entry.accepts(module):
-        why = entry.reason or f"rejected by {getattr(entry.accepts, '__qualname__', 'accepts')}"
+    ok = True if entry.accepts is None else entry.accepts(module)
+    if ok is not True:
+        why = ok if isinstance(ok, str) else entry.reason
+        why = why or f"rejected by {getattr(entry.accepts, '__qualname__', 'accepts')}"
         return _Plan(entry.kind, skip=why)
     try:
         converted_class(entry.mesa_cls, cls)
@@ -262,6 +272,14 @@ def wrap(
         config = Config()
     if not isinstance(config, Config):
         raise TypeError(f"wrap: config must be a mesa_lite.Config, got {type(config).__name__}")
+    recognize.reset()
+    try:
+        return _wrap(model, config, filter_fn)
+    finally:
+        recognize.reset()
+
+
+def _wrap(model, config, filter_fn):
     modules = list(model.named_modules())
     names = [n for n, _ in modules]
     for pattern in config.overrides:
@@ -332,7 +350,7 @@ def wrap(
             f"(supported: {_supported_names()}); it is returned unchanged",
             stacklevel=2,
         )
-    _fuse_blocks(model)
+    not_fused = _fuse_blocks(model)
     _ckpt.apply(units, config.checkpoint_spec())
     losses, losses_exact = _transformers.after_wrap(model, config, user_filter)
     for spec in losses:
@@ -343,6 +361,10 @@ def wrap(
     line = _summary(
         type(model).__name__, converted, specs, exact, skipped, built, (before, changed, back)
     )
+    if not_fused:
+        parts = [f"{t} x{c} ({why})" for (t, why), c in not_fused.most_common()]
+        line += f"; not fused (their layers run one by one) {sum(not_fused.values())}: "
+        line += ", ".join(parts)
     if units:
         kinds = Counter(type(m).__name__ for _, m in units)
         line += (

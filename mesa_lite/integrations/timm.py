@@ -20,6 +20,7 @@ from mesa_lite.modules import (
     Linear,
     MesaModule,
     matmul,
+    plain_modules,
     scaled_dot_product_attention,
     softmax,
 )
@@ -149,17 +150,6 @@ def _identity(m) -> bool:
     return m is None or type(m) is nn.Identity
 
 
-def _plain_modules(*modules) -> bool:
-    """In training, with no forward or backward hook of their own and no forward set on the
-    instance (debugging or adapter code replacing one layer's forward)."""
-    for m in modules:
-        if not m.training or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
-            return False
-        if m._backward_hooks or m._backward_pre_hooks:
-            return False
-    return True
-
-
 def _mlp_half_spec(norm, mlp):
     """The spec ``norm`` -> ``mlp`` (a timm Mlp: fc1, GELU, fc2) can run with as one
     ``blocks.NormMlpFn``, or None: all wrapped with one setting, no dropout, no norm inside
@@ -174,7 +164,7 @@ def _mlp_half_spec(norm, mlp):
         return None
     layers = (norm, mlp.fc1, mlp.act, mlp.fc2)
     spec = blocks.spec_of(*layers)
-    return spec if spec is not None and _plain_modules(mlp, *layers) else None
+    return spec if spec is not None and plain_modules(mlp, *layers) else None
 
 
 def _attention_half_spec(norm, at):
@@ -192,7 +182,7 @@ def _attention_half_spec(norm, at):
         return None
     layers = (norm, at.qkv, at.proj)
     spec = blocks.spec_of(at, *layers)
-    return spec if spec is not None and _plain_modules(at, *layers) else None
+    return spec if spec is not None and plain_modules(at, *layers) else None
 
 
 def _norm_cfg(norm, dev) -> tuple:

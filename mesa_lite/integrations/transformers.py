@@ -8,11 +8,9 @@ What ``wrap`` converts, when transformers is importable:
   ``QuickGELUActivation``, ``GELUActivation``, ``AccurateGELUActivation``: kind "gelu";
   ``SiLUActivation``: kind "silu"): one compressed copy of the input, the module's own formula
   forward and its derivative in backward (``modules.Activation``).
-- RMSNorm modules recognised by structure, not by a list of names: a module whose class name
-  ends in ``RMSNorm``, with a 1-D ``weight`` and a ``variance_epsilon`` or ``eps``, whose
-  forward matches the Hugging Face formula bit for bit on probe inputs (fp32 and bf16) when
-  ``wrap`` runs (``modules.RMSNorm``, kind "rmsnorm"). A variant that computes otherwise
-  (Gemma's ``1 + weight``) does not match and is skipped, named in ``wrap``'s log.
+- RMSNorms, gated MLPs and two-projection MLPs are recognised by proof in the core
+  (``mesa_lite.recognize``), for any model; this module registers ``Conv1D`` there as a
+  projection an MLP may be built of (GPT-2's ``GPT2MLP``).
 - Attention modules (``GPT2Attention``, ``LlamaAttention``, ``BertSelfAttention``, ...: a class
   from ``transformers.models`` whose name ends in ``Attention`` and that holds its q/k/v
   projections): their own forward runs unchanged, with the attention functions it calls
@@ -20,14 +18,6 @@ What ``wrap`` converts, when transformers is importable:
   softmax and dropout from the ``eager`` one) routed to mesa_lite's compressed forms by a
   ``TorchFunctionMode`` for the duration of that forward. Causal, padding masks and grouped
   k/v heads run through the fused-attention Function.
-- Gated MLPs (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Llama, Mistral, Qwen2),
-  recognised by structure and checked bit for bit on a probe input, run as one block-level
-  Function (``blocks.GatedMlpFn``) keeping the gate and up projections' outputs compressed,
-  the down projection's input rebuilt from them.
-- Two-projection MLPs (``dropout(proj2(act(proj1(x))))`` with ``Conv1D`` or ``nn.Linear``
-  projections: GPT-2's ``GPT2MLP``, or a ``Sequential`` of the same), recognised by following
-  on a probe input which layer's output feeds which, run as one ``blocks.MlpFn``: one autograd
-  node instead of four, keeping the same bytes as the per-op path.
 - The causal-LM loss (models whose ``loss_type`` is ``ForCausalLM``): the model's
   ``loss_function`` is set to ``causal_lm_loss``, a chunked cross-entropy that keeps no fp32
   ``batch x seq x vocab`` tensor (kind "loss"); ``unwrap`` removes it.
@@ -41,28 +31,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mesa_lite import blocks
+from mesa_lite import recognize
 from mesa_lite.config import QuantSpec
-from mesa_lite.modules import (
-    GELU,
-    GELU_FORMS,
-    Activation,
-    Dropout,
-    FusedBlock,
-    Linear,
-    MesaModule,
-    RMSNorm,
-    SiLU,
-    rms_eps,
-)
-from mesa_lite.ops.activation import backward_for
+from mesa_lite.modules import GELU_FORMS, Activation, MesaModule, SiLU
 from mesa_lite.ops.attention import scaled_dot_product_attention
-from mesa_lite.ops.common import autocast_dtype, needs_grad
+from mesa_lite.ops.common import needs_grad
 from mesa_lite.ops.cross_entropy import cross_entropy
 from mesa_lite.ops.dropout import dropout
 from mesa_lite.ops.linear import addmm
 from mesa_lite.ops.matmul import matmul
 from mesa_lite.ops.softmax import softmax
+from mesa_lite.recognize import GatedMlp, Mlp  # noqa: F401 - their home before the core had them
 
 try:
     import transformers.activations as _acts
@@ -71,7 +50,7 @@ except ImportError:  # pragma: no cover - transformers is optional
     _acts = None
     _Conv1D = None
 
-__all__ = ["registrations", "structural", "block_matchers", "after_wrap", "after_unwrap"]
+__all__ = ["registrations", "structural", "after_wrap", "after_unwrap", "GatedMlp", "Mlp"]
 
 # name -> the GELU its formula computes (None: another function, QuickGELU's x * sigmoid(1.702x))
 _GELU_NAMES = {
@@ -85,6 +64,7 @@ def registrations() -> list[tuple[type, type, str, object, str | None]]:
     """(transformers type, mesa_lite class, kind, accepts or None, why) for ``wrap``."""
     if _acts is None:
         return []
+    recognize.register_projection(_Conv1D, Conv1D, addmm=True)
     regs = [(_Conv1D, Conv1D, "linear", None, None)]
     seen = set()
     for name, approximate in _GELU_NAMES.items():
@@ -117,52 +97,13 @@ if _Conv1D is not None:
 # ---- recognised by structure ----------------------------------------------------------------
 
 
-def _probe(width: int, device: torch.device) -> torch.Tensor:
-    """The fixed fp32 input (2, 3, width) the structural checks run a module's forward on."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    return torch.randn(2, 3, width, generator=g).to(device)
-
-
-def _rms_matches(module: nn.Module) -> bool:
-    """Whether ``module``'s forward is the Hugging Face RMSNorm formula, bit for bit, on
-    probe inputs (fp32 and bf16)."""
-    from mesa_lite.ops.rms_norm import rms_forward
-
-    eps = rms_eps(module)
-    weight = module.weight
-    probe = _probe(weight.shape[-1], weight.device)
-    try:
-        with torch.no_grad():
-            for x in (probe, probe.to(torch.bfloat16)):
-                want = type(module).forward(module, x)
-                got = rms_forward(x, weight, eps, "hf", 1)[0]
-                if want.dtype != got.dtype or not torch.equal(want, got):
-                    return False
-    except Exception:  # noqa: BLE001 - a forward that fails on a probe is not the formula
-        return False
-    return True
-
-
-def _rms_candidate(module: nn.Module) -> bool:
-    if isinstance(module, nn.RMSNorm) or not type(module).__name__.endswith("RMSNorm"):
-        return False
-    weight = getattr(module, "weight", None)
-    eps = rms_eps(module)
-    ok = isinstance(weight, torch.Tensor) and weight.dim() == 1 and isinstance(eps, float)
-    return ok and len(list(module.children())) == 0
-
-
-def structural() -> list[tuple[object, type, str, object, str]]:
-    """(matches(module), mesa_lite class, kind, accepts(module), why accepts rejects) for
-    module types ``wrap`` does not know by name: a module that ``matches`` is converted when
-    ``accepts`` too, and skipped with ``why`` otherwise."""
+def structural() -> list[tuple[object, type, str, object, str | None]]:
+    """(matches(module), mesa_lite class, kind, accepts(module) or None, why accepts rejects)
+    for module types ``wrap`` does not know by name: transformers' attention classes. The
+    RMSNorms and MLPs of any model are recognised in the core (``mesa_lite.recognize``)."""
     if _acts is None:
         return []
-    return [
-        (_rms_candidate, RMSNorm, "rmsnorm", _rms_matches,
-         "RMSNorm whose forward is not the Hugging Face formula"),
-        (_attention_candidate, HFAttention, "attention", None, None),
-    ]  # fmt: skip
+    return [(_attention_candidate, HFAttention, "attention", None, None)]
 
 
 # ---- attention modules ----------------------------------------------------------------------
@@ -275,189 +216,6 @@ def _route_sdpa() -> bool:
         _routed_sdpa.original = table["sdpa"]
         table["sdpa"] = _routed_sdpa
     return True
-
-
-# ---- gated MLP ------------------------------------------------------------------------------
-
-
-def _gated_candidate(module: nn.Module) -> bool:
-    parts = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")]
-    if not all(isinstance(p, nn.Module) for p in parts):
-        return False
-    return all(isinstance(p, nn.Linear) for p in parts[:3])
-
-
-def _gated_matches(module: nn.Module) -> bool:
-    """Whether ``module``'s forward is ``down(act(gate(x)) * up(x))`` bit for bit on a probe."""
-    w = module.gate_proj.weight
-    x = _probe(w.shape[1], w.device).to(w.dtype)
-    modes = {m: m.training for m in module.modules()}
-    try:
-        module.eval()
-        with torch.no_grad():
-            want = type(module).forward(module, x)
-            got = module.down_proj(module.act_fn(module.gate_proj(x)) * module.up_proj(x))
-        return want.dtype == got.dtype and torch.equal(want, got)
-    except Exception:  # noqa: BLE001 - a forward that fails on a probe is not the formula
-        return False
-    finally:
-        for m, training in modes.items():  # each as it was (train() would set them all)
-            m.training = training
-
-
-class GatedMlp(FusedBlock, nn.Module):
-    """A gated MLP running as one ``blocks.GatedMlpFn`` when its projections and activation
-    are wrapped with one setting (no hooks, training with grad); otherwise its own forward."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        spec = _gated_spec(self) if self._mesa_block_active(x) else None
-        if spec is None:
-            return super().forward(x)
-        fn, grad_fn = self.act_fn.mesa_formula()
-        grad_fn = backward_for(grad_fn, spec)
-        dtype = autocast_dtype("linear", x.device)
-        gp, up, dp = self.gate_proj, self.up_proj, self.down_proj
-        cfg = (dtype, fn, grad_fn, spec)
-        return blocks.GatedMlpFn.apply(
-            x, gp.weight, gp.bias, up.weight, up.bias, dp.weight, dp.bias, cfg
-        )
-
-
-def _gated_spec(m: nn.Module) -> QuantSpec | None:
-    from mesa_lite.integrations.timm import _plain_modules
-
-    layers = (m.gate_proj, m.up_proj, m.down_proj, m.act_fn)
-    if not all(isinstance(x, Linear) for x in layers[:3]) or not isinstance(m.act_fn, Activation):
-        return None
-    if getattr(m.act_fn, "inplace", False):
-        return None
-    spec = blocks.spec_of(*layers)
-    return spec if spec is not None and _plain_modules(m, *layers) else None
-
-
-def _match_gated(module: nn.Module):
-    if _gated_candidate(module) and _gated_matches(module):
-        return GatedMlp
-    return None
-
-
-# ---- two-projection MLP (GPT-2's) ----------------------------------------------------------
-
-_PROJECTIONS = (nn.Linear,) if _Conv1D is None else (nn.Linear, _Conv1D)
-
-
-def _mlp_chain(module: nn.Module) -> tuple[str, ...] | None:
-    """The names of ``(proj1, act, proj2[, dropout])`` when ``module``'s forward is
-    ``dropout(proj2(act(proj1(x))))`` (GPT-2's ``GPT2MLP``, a ``Sequential`` of the same):
-    found by running it on a probe input in eval mode and following which child's output
-    feeds which, each call once and in that order, the result the last one's output."""
-    kids = dict(module.named_children())
-    if len(kids) not in (3, 4) or isinstance(module, FusedBlock):
-        return None
-    projs = [n for n, m in kids.items() if isinstance(m, _PROJECTIONS)]
-    acts = [n for n, m in kids.items() if isinstance(m, (Activation, GELU))]
-    drops = [n for n, m in kids.items() if isinstance(m, nn.Dropout)]
-    if len(projs) != 2 or len(acts) != 1 or len(drops) != len(kids) - 3:
-        return None
-    first = kids[projs[0]]
-    width = first.in_features if isinstance(first, nn.Linear) else first.weight.shape[0]
-    calls, handles = [], []
-    for name, m in kids.items():
-        hook = lambda m, args, out, name=name: calls.append((name, args, out))  # noqa: E731
-        handles.append(m.register_forward_hook(hook))
-    modes = {m: m.training for m in module.modules()}
-    x = _probe(width, first.weight.device).to(first.weight.dtype)
-    try:
-        module.eval()
-        with torch.no_grad():
-            out = type(module).forward(module, x)
-    except Exception:  # noqa: BLE001 - a forward that fails on a probe is not this MLP
-        return None
-    finally:
-        for h in handles:
-            h.remove()
-        for m, training in modes.items():
-            m.training = training
-    names = tuple(name for name, _, _ in calls)
-    if len(names) != len(kids) or len(set(names)) != len(names):
-        return None
-    if not (names[0] in projs and names[1] in acts and names[2] in projs):
-        return None
-    given = x
-    for _name, args, result in calls:  # each child takes exactly the previous one's output
-        if len(args) != 1 or args[0] is not given:
-            return None
-        given = result
-    return names if out is given else None
-
-
-class Mlp(FusedBlock, nn.Module):
-    """A two-projection MLP (``_mlp_chain``) running as one ``blocks.MlpFn`` when its layers
-    are wrapped with one setting (no hooks, training with grad); otherwise its own forward."""
-
-    @classmethod
-    def fuse(cls, module: nn.Module) -> nn.Module:
-        module.__dict__["_mesa_mlp_chain"] = _mlp_chain(module)
-        return super().fuse(module)
-
-    def unfuse(self) -> nn.Module:
-        self.__dict__.pop("_mesa_mlp_chain", None)
-        return super().unfuse()
-
-    def forward(self, *args, **kwargs):
-        x = args[0] if len(args) == 1 and not kwargs else None
-        parts = None if x is None or not self._mesa_block_active(x) else _mlp_parts(self)
-        if parts is None:
-            return super().forward(*args, **kwargs)
-        p1, act, p2, p, spec = parts
-        fn, grad_fn = act.mesa_formula()
-        kinds = tuple("linear" if isinstance(m, nn.Linear) else "addmm" for m in (p1, p2))
-        dtypes = tuple(autocast_dtype(k, x.device) for k in kinds)
-        cfg = (kinds, dtypes, fn, backward_for(grad_fn, spec), p, spec)
-        return blocks.MlpFn.apply(x, p1.weight, p1.bias, p2.weight, p2.bias, cfg)
-
-
-def _mlp_parts(m: nn.Module):
-    """``(proj1, act, proj2, dropout p, spec)`` when ``m`` can run as one ``MlpFn``: its
-    layers converted with one setting, each projection's compressed path taken, the dropout
-    converted (p below 1, not in place), no hooks; else None."""
-    from mesa_lite.integrations.timm import _plain_modules
-
-    chain = m.__dict__.get("_mesa_mlp_chain")
-    if chain is None:
-        return None
-    layers = [getattr(m, name) for name in chain]
-    p1, act, p2 = layers[:3]
-    for proj in (p1, p2):
-        if isinstance(proj, Linear):
-            continue
-        if _Conv1D is None or not isinstance(proj, Conv1D) or proj.bias is None:
-            return None
-    if not isinstance(act, (Activation, GELU)) or getattr(act, "inplace", False):
-        return None
-    p = 0.0
-    if len(layers) == 4:
-        drop = layers[3]
-        if type(drop).forward not in (nn.Dropout.forward, Dropout.forward) or drop.inplace:
-            return None
-        if drop.p != 0 and not (isinstance(drop, Dropout) and drop.mesa_spec is not None):
-            return None  # dropout left plain by the configuration keeps its own mask
-        if not 0 <= drop.p < 1:
-            return None
-        p = drop.p
-    spec = blocks.spec_of(p1, act, p2)
-    if spec is None or not _plain_modules(m, *layers):
-        return None
-    return p1, act, p2, p, spec
-
-
-def _match_mlp(module: nn.Module):
-    return Mlp if _mlp_chain(module) is not None else None
-
-
-def block_matchers() -> list:
-    """``module -> FusedBlock class or None`` for ``wrap``'s block pass."""
-    return [_match_gated, _match_mlp]
 
 
 # ---- the causal-LM loss ---------------------------------------------------------------------

@@ -250,7 +250,7 @@ def test_other_rms_norm_forms_are_skipped_and_named(caplog):
     with caplog.at_level(logging.INFO, logger="mesa_lite"):
         mesa_lite.wrap(net)
     assert type(net[1]) is GemmaLikeRMSNorm
-    assert "GemmaLikeRMSNorm x1 (RMSNorm whose forward is not the Hugging Face formula)" in (
+    assert "GemmaLikeRMSNorm x1 (not the Hugging Face RMSNorm formula: computes otherwise" in (
         caplog.text
     )
 

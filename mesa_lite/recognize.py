@@ -1,0 +1,595 @@
+"""Recognition by proof: modules ``wrap`` does not know by type, converted to a formula-based
+or fused path only when their own forward is proved to compute what that path computes.
+
+Candidates are found by structure, with no dependence on any other library:
+
+- an RMSNorm: a leaf module whose class name ends in ``RMSNorm``, with a 1-D ``weight`` and a
+  float ``variance_epsilon`` or ``eps`` (Hugging Face's ``LlamaRMSNorm`` and its copies,
+  litgpt's, nanoGPT-style code), converted to ``modules.RMSNorm``;
+- a gated MLP: three linear projections (any names: ``gate_proj``/``up_proj``/``down_proj``,
+  torchtitan's ``w1``/``w3``/``w2``) and an activation child or none (the activation called as
+  a function: SiLU, GELU, tanh-GELU), parameter-free children besides; it runs as one
+  ``blocks.GatedMlpFn`` (``GatedMlp``);
+- a two-projection MLP: ``dropout(proj2(act(proj1(x))))`` with ``nn.Linear`` projections or a
+  registered kind (transformers' ``Conv1D``), run as one ``blocks.MlpFn`` (``Mlp``).
+
+The proof (``prove``) runs the module's own forward and the fused path on probe inputs and
+asks for the same output bit for bit and the same random draws, under the conditions the
+module meets in training, not those of a freshly built model in eval mode:
+
+- training mode (dropout and other training-only steps run);
+- random parameters (and floating buffers) in the module's own dtypes: a weight of ones
+  hides where a formula casts (``(w * x_fp32).to(dtype)`` against ``w * x.to(dtype)``);
+- inputs at magnitudes 1e-3, 1 and 1e3, in fp32, bf16 and the parameters' dtype, so that
+  clamps (``swiglu_limit``) and epsilons are reached;
+- the same CPU RNG state before each: a forward that draws random numbers the fused path does
+  not draw (``F.dropout`` in the forward, an ``nn.Dropout`` child the fused path omits) fails.
+
+Probes run on the CPU with tensors of their own put in place of the module's parameters and
+buffers (``torch.nn.utils.stateless``): the module's values are untouched, and a model built
+on the meta device is recognised as the same model built on a real one. Results are cached
+for one ``wrap`` call by the module's class, parameter shapes and dtypes and the plain
+attributes of it and its children (layers of one model are proved once).
+
+A candidate that fails keeps its own forward (its sub-layers still compressed one by one);
+``wrap``'s summary names it and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mesa_lite import blocks
+from mesa_lite.modules import (
+    GELU,
+    Activation,
+    Dropout,
+    FusedBlock,
+    Linear,
+    MesaModule,
+    RMSNorm,
+    plain_modules,
+    rms_eps,
+)
+from mesa_lite.ops.activation import backward_for, silu_grad
+from mesa_lite.ops.common import autocast_dtype
+
+__all__ = [
+    "prove",
+    "rms_norm_refusal",
+    "structural",
+    "block_matchers",
+    "register_projection",
+    "GatedMlp",
+    "Mlp",
+    "reset",
+]
+
+_SCALES = (1.0, 1e-3, 1e3)
+
+
+# ---- the proof ------------------------------------------------------------------------------
+
+
+def _random_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """CPU tensors for every parameter and buffer of ``module``: floating ones drawn at random
+    (uniform in [-2, 2), cheaper than normal draws for a large layer) in their own dtype (tied tensors stay tied), others copied (zeros on the meta device)."""
+    g = torch.Generator().manual_seed(0)
+    state: dict[str, torch.Tensor] = {}
+    made: dict[int, torch.Tensor] = {}
+    named = itertools.chain(
+        module.named_parameters(remove_duplicate=False),
+        module.named_buffers(remove_duplicate=False),
+    )
+    for name, t in named:
+        if t is None:
+            continue
+        if id(t) not in made:
+            if t.is_floating_point():
+                v = torch.empty(t.shape).uniform_(-2.0, 2.0, generator=g).to(t.dtype)
+            elif t.is_meta:
+                v = torch.zeros(t.shape, dtype=t.dtype)
+            else:
+                v = t.detach().cpu().clone()
+            made[id(t)] = v
+        state[name] = made[id(t)]
+    return state
+
+
+_PROBE_RNG = torch.Generator().manual_seed(1234).get_state()
+
+
+@contextlib.contextmanager
+def _probing(module: nn.Module):
+    """``module`` in training mode with random CPU parameters, no grad, no autocast, the CPU
+    RNG forked (the caller's state comes back); every sub-module's mode restored after."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    modes = {m: m.training for m in module.modules()}
+    try:
+        for m in modes:
+            m.training = True
+        with contextlib.ExitStack() as st:
+            st.enter_context(torch.random.fork_rng(devices=[]))
+            st.enter_context(torch.no_grad())
+            st.enter_context(torch.autocast("cpu", enabled=False))
+            st.enter_context(_reparametrize_module(module, _random_state(module)))
+            yield
+    finally:
+        for m, training in modes.items():  # each as it was (train() would set them all)
+            m.training = training
+
+
+def _same(a, b) -> bool:
+    """Equal dtype, shape and values (NaN equal to NaN: an overflow at 1e3 in both)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def _inputs(width: int, dtypes) -> list[tuple[str, torch.Tensor]]:
+    """One probe tensor per dtype: ``(2, 3, width)`` normal draws at each of ``_SCALES``,
+    stacked on the first dimension (rows are independent in the formulas proved)."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 3, width, generator=g)
+    x = torch.cat([base * s for s in _SCALES])
+    return [(str(d).replace("torch.", ""), x.to(d)) for d in dict.fromkeys(dtypes)]
+
+
+def _where(w: torch.Tensor, g: torch.Tensor) -> str:
+    """The magnitude of the first probe rows where ``w`` and ``g`` differ."""
+    if w.shape != g.shape or w.dim() == 0 or w.shape[0] != 2 * len(_SCALES):
+        return "" if w.dtype == g.dtype else f" (output {g.dtype}, not {w.dtype})"
+    for i, s in enumerate(_SCALES):
+        if not _same(w[2 * i : 2 * i + 2], g[2 * i : 2 * i + 2]):
+            return f" of magnitude {s:g}"
+    return ""
+
+
+def prove(
+    module: nn.Module,
+    want: Callable[[torch.Tensor], torch.Tensor],
+    got: Callable[[torch.Tensor], torch.Tensor],
+    width: int,
+    dtypes,
+) -> str | None:
+    """Whether ``got(x)`` computes ``want(x)`` for ``module``: None when, for probe inputs of
+    ``width`` features in each of ``dtypes`` at each magnitude, both give the same output bit
+    for bit and leave the CPU RNG in the same state from the same start, with ``module`` in
+    training mode on random parameters (see the module docstring); else why not.
+
+    ``want`` and ``got`` read the module's parameters when called (the probe's are in place).
+    """
+    try:
+        with _probing(module):
+            for label, x in _inputs(width, dtypes):
+                torch.set_rng_state(_PROBE_RNG)
+                w = want(x)
+                after_want = torch.get_rng_state()
+                torch.set_rng_state(_PROBE_RNG)
+                g = got(x)
+                if not torch.equal(after_want, torch.get_rng_state()):
+                    return "draws random numbers in training (dropout) that the fused path does not"
+                if not _same(w, g):
+                    where = _where(w, g) if isinstance(w, torch.Tensor) else ""
+                    return f"computes otherwise in training, random weights, {label} input{where}"
+    except Exception as e:  # noqa: BLE001 - a forward that fails on a probe is not the formula
+        return f"its forward fails on a probe input ({type(e).__name__}: {e})"
+    return None
+
+
+# results for one ``wrap`` call, by ``_key``
+_CACHE: dict[tuple, object] = {}
+
+
+def reset() -> None:
+    """Forgets the cached proofs (``wrap`` calls it before and after its walk)."""
+    _CACHE.clear()
+
+
+def _plain_attrs(m: nn.Module) -> tuple:
+    out = []
+    for k, v in sorted(vars(m).items()):
+        if k.startswith("_") or k in ("training", "mesa_spec"):
+            continue
+        if isinstance(v, (bool, int, float, str, type(None))):
+            out.append((k, v))
+        elif not isinstance(v, (torch.Tensor, nn.Module)):
+            out.append((k, id(v)))  # shared objects (a model config): the same for every layer
+    return tuple(out)
+
+
+def _key(what: str, module: nn.Module) -> tuple:
+    """What a proof depends on: the classes, forwards set on instances, parameter and buffer
+    shapes and dtypes, and plain attributes of the module and its children."""
+    parts = [what]
+    for name, m in module.named_modules():
+        parts.append((name, type(m), m.__dict__.get("forward"), _plain_attrs(m)))
+    for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+        parts.append((name, tuple(t.shape), t.dtype))
+    return tuple(parts)
+
+
+def _cached(what: str, module: nn.Module, run: Callable[[], object]):
+    try:
+        key = _key(what, module)
+        hash(key)
+    except TypeError:  # an unhashable attribute: prove this one on its own
+        return run()
+    if key not in _CACHE:
+        _CACHE[key] = run()
+    return _CACHE[key]
+
+
+# ---- RMSNorm --------------------------------------------------------------------------------
+
+
+def _rms_candidate(module: nn.Module) -> bool:
+    if isinstance(module, nn.RMSNorm) or not type(module).__name__.endswith("RMSNorm"):
+        return False
+    weight = getattr(module, "weight", None)
+    ok = isinstance(weight, torch.Tensor) and weight.dim() == 1
+    return ok and isinstance(rms_eps(module), float) and len(list(module.children())) == 0
+
+
+def rms_norm_refusal(module: nn.Module) -> str | None:
+    """None when ``module``'s forward is the Hugging Face RMSNorm formula
+    (``weight * (x.float() * rsqrt(mean(x^2) + eps)).to(x.dtype)``, ``modules.RMSNorm``);
+    else why not."""
+    from mesa_lite.ops.rms_norm import rms_forward
+
+    def run():
+        eps = rms_eps(module)
+        dtypes = (torch.float32, torch.bfloat16, module.weight.dtype)
+        return prove(
+            module,
+            lambda x: type(module).forward(module, x),
+            lambda x: rms_forward(x, module.weight, eps, "hf", 1)[0],
+            module.weight.shape[-1],
+            dtypes,
+        )
+
+    why = _cached("rms", module, run)
+    return None if why is None else f"not the Hugging Face RMSNorm formula: {why}"
+
+
+def _rms_accepts(module: nn.Module) -> bool | str:
+    why = rms_norm_refusal(module)
+    return True if why is None else why
+
+
+def structural() -> list[tuple]:
+    """(matches(module), mesa_lite class, kind, accepts(module) -> True or why not, None) for
+    module types ``wrap`` does not know by name."""
+    return [(_rms_candidate, RMSNorm, "rmsnorm", _rms_accepts, None)]
+
+
+# ---- blocks: shared helpers -----------------------------------------------------------------
+
+# the projection types an MLP may be built of (original type -> mesa_lite class), and which
+# compute ``x @ W^T + b`` (``nn.Linear``) or ``addmm(b, x, W)`` (transformers' Conv1D)
+_PROJECTIONS: dict[type, type] = {nn.Linear: Linear}
+_ADDMM: set[type] = set()
+
+
+def register_projection(orig: type, mesa_cls: type, addmm: bool) -> None:
+    """Lets MLPs built of ``orig`` projections (converted to ``mesa_cls``) be recognised."""
+    _PROJECTIONS[orig] = mesa_cls
+    if addmm:
+        _ADDMM.add(orig)
+
+
+def _is_projection(m: nn.Module) -> bool:
+    return isinstance(m, tuple(_PROJECTIONS))
+
+
+def _in_width(m: nn.Module) -> int:
+    return m.in_features if isinstance(m, nn.Linear) else m.weight.shape[0]
+
+
+def _is_activation(m: nn.Module) -> bool:
+    return isinstance(m, (Activation, GELU))
+
+
+def _has_params(m: nn.Module) -> bool:
+    return next(m.parameters(), None) is not None
+
+
+@contextlib.contextmanager
+def _recording(kids: dict[str, nn.Module]):
+    """Forward hooks recording ``(name, args, output)`` of each child's calls."""
+    calls: list[tuple] = []
+    handles = []
+    for name, m in kids.items():
+        hook = lambda m, args, out, name=name: calls.append((name, args, out))  # noqa: E731
+        handles.append(m.register_forward_hook(hook))
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+# ---- gated MLP ------------------------------------------------------------------------------
+
+# activations a gated MLP may call as functions: name -> (formula, backward for GatedMlpFn)
+_ACT_FUNCTIONS = {
+    "silu": (F.silu, silu_grad),
+    "gelu": (F.gelu, "none"),
+    "gelu_tanh": (functools.partial(F.gelu, approximate="tanh"), "tanh"),
+}
+
+
+def _gated_candidate(module: nn.Module):
+    """(projection names, activation child name or None) of a module made of three linear
+    projections, at most one activation child and parameter-free children; else None."""
+    if isinstance(module, FusedBlock):
+        return None
+    kids = dict(module.named_children())
+    projs = [n for n, m in kids.items() if type(m) is nn.Linear or isinstance(m, Linear)]
+    acts = [n for n, m in kids.items() if _is_activation(m) and n not in projs]
+    rest = [m for n, m in kids.items() if n not in projs and n not in acts]
+    if len(projs) != 3 or len(acts) > 1 or any(_has_params(m) for m in rest):
+        return None
+    if any(isinstance(kids[n], MesaModule) and "_mesa_orig_cls" not in kids[n].__dict__
+           for n in projs):  # fmt: skip
+        return None  # built as mesa_lite modules: their own settings
+    return projs, (acts[0] if acts else None)
+
+
+def _gated_roles(module: nn.Module, projs, act) -> list[tuple[str, str, str, str]]:
+    """Candidate ``(gate, up, down, act)`` names from following one probe call: gate and up
+    take the module's input, down the rest; with an activation child, gate is the projection
+    whose output it takes; without one, each order with each known activation function."""
+    kids = {n: getattr(module, n) for n in (*projs, *([act] if act else []))}
+    x = _inputs(_in_width(kids[projs[0]]), (kids[projs[0]].weight.dtype,))[0][1]
+    with _probing(module), _recording(kids) as calls:
+        type(module).forward(module, x)
+    takes_x = [n for n, args, _ in calls if n in projs and args and args[0] is x]
+    down = [n for n in projs if n not in takes_x]
+    if len(takes_x) != 2 or len(down) != 1:
+        return []
+    if act is not None:
+        outs = {n: out for n, _, out in calls}
+        act_in = [args[0] for n, args, _ in calls if n == act and args]
+        gate = [n for n in takes_x if act_in and act_in[0] is outs.get(n)]
+        if len(gate) != 1:
+            return []
+        up = next(n for n in takes_x if n != gate[0])
+        return [(gate[0], up, down[0], act)]
+    return [(g, u, down[0], f) for f in _ACT_FUNCTIONS for g, u in (takes_x, takes_x[::-1])]
+
+
+def _gated_formula(module: nn.Module, roles) -> Callable[[torch.Tensor], torch.Tensor]:
+    gate, up, down, act = roles
+    fn = _ACT_FUNCTIONS[act][0] if act in _ACT_FUNCTIONS else getattr(module, act)
+    g, u, d = getattr(module, gate), getattr(module, up), getattr(module, down)
+    return lambda x: d(fn(g(x)) * u(x))
+
+
+def gated_mlp(module: nn.Module) -> tuple | str | None:
+    """``(gate, up, down, act)`` names (``act``: an activation child's name or a key of
+    ``_ACT_FUNCTIONS``) when ``module``'s forward is proved to be
+    ``down(act(gate(x)) * up(x))``; the reason when a candidate is not; None for a module
+    that is not a candidate."""
+    found = _gated_candidate(module)
+    if found is None:
+        return None
+    projs, act = found
+
+    def run():
+        try:
+            options = _gated_roles(module, projs, act)
+        except Exception as e:  # noqa: BLE001 - a forward that fails on a probe is not this MLP
+            return f"its forward fails on a probe input ({type(e).__name__}: {e})"
+        if not options:
+            return "its projections are not called as down(act(gate(x)) * up(x))"
+        w = getattr(module, projs[0]).weight
+        why = None
+        for roles in options:
+            why = prove(
+                module,
+                lambda x: type(module).forward(module, x),
+                _gated_formula(module, roles),
+                w.shape[1],
+                (w.dtype,),
+            )
+            if why is None:
+                return roles
+        return f"not down(act(gate(x)) * up(x)): {why}"
+
+    return _cached("gated", module, run)
+
+
+class GatedMlp(FusedBlock, nn.Module):
+    """A gated MLP (``gated_mlp``) running as one ``blocks.GatedMlpFn`` when its projections
+    (and activation child) are wrapped with one setting (no hooks, training with grad);
+    otherwise its own forward."""
+
+    def forward(self, *args, **kwargs):
+        x = args[0] if len(args) == 1 and not kwargs else None
+        parts = None if x is None or not self._mesa_block_active(x) else _gated_parts(self)
+        if parts is None:
+            return super().forward(*args, **kwargs)
+        gp, up, dp, fn, grad_fn, spec = parts
+        dtype = autocast_dtype("linear", x.device)
+        cfg = (dtype, fn, backward_for(grad_fn, spec), spec)
+        return blocks.GatedMlpFn.apply(
+            x, gp.weight, gp.bias, up.weight, up.bias, dp.weight, dp.bias, cfg
+        )
+
+    def unfuse(self) -> nn.Module:
+        self.__dict__.pop("_mesa_gated", None)
+        return super().unfuse()
+
+
+def _gated_parts(m: nn.Module):
+    roles = m.__dict__.get("_mesa_gated")
+    if roles is None:
+        return None
+    gate, up, down, act = roles
+    layers = [getattr(m, n) for n in (gate, up, down)]
+    if not all(isinstance(x, Linear) for x in layers):
+        return None
+    if act in _ACT_FUNCTIONS:
+        fn, grad_fn = _ACT_FUNCTIONS[act]
+        spec = blocks.spec_of(*layers)
+    else:
+        a = getattr(m, act)
+        if not _is_activation(a) or getattr(a, "inplace", False):
+            return None
+        layers.append(a)
+        fn, grad_fn = a.mesa_formula()
+        spec = blocks.spec_of(*layers)
+    if spec is None or spec.exact or not plain_modules(m, *layers):
+        # debug_exact runs per-op: where the input is also the residual stream (Olmo2's
+        # post-norm layers) its gradient sums three terms, in the order only the per-op
+        # graph reproduces
+        return None
+    return (*layers[:3], fn, grad_fn, spec)
+
+
+def _match_gated(module: nn.Module):
+    found = gated_mlp(module)
+    if isinstance(found, tuple):
+        module.__dict__["_mesa_gated"] = found
+        return GatedMlp
+    return found
+
+
+# ---- two-projection MLP (GPT-2's) ----------------------------------------------------------
+
+
+def _mlp_candidate(module: nn.Module):
+    kids = dict(module.named_children())
+    if len(kids) not in (3, 4) or isinstance(module, FusedBlock):
+        return None
+    projs = [n for n, m in kids.items() if _is_projection(m)]
+    acts = [n for n, m in kids.items() if _is_activation(m)]
+    drops = [n for n, m in kids.items() if isinstance(m, nn.Dropout)]
+    if len(projs) != 2 or len(acts) != 1 or len(drops) != len(kids) - 3:
+        return None
+    return kids, projs, acts
+
+
+def mlp_chain(module: nn.Module) -> tuple | str | None:
+    """The names of ``(proj1, act, proj2[, dropout])`` when ``module``'s forward is proved to
+    be ``dropout(proj2(act(proj1(x))))``: on a probe input in training mode each child is
+    called once, in that order, on the previous one's output, the result is the last one's
+    output, and the forward draws no random numbers but the dropout child's. The reason when a
+    candidate is not; None for a module that is not a candidate."""
+    found = _mlp_candidate(module)
+    if found is None:
+        return None
+    kids, projs, acts = found
+
+    def run():
+        first = kids[projs[0]]
+        x = _inputs(_in_width(first), (first.weight.dtype,))[0][1]
+        try:
+            with _probing(module):
+                with _recording(kids) as calls:
+                    torch.set_rng_state(_PROBE_RNG)
+                    out = type(module).forward(module, x)
+                    after = torch.get_rng_state()
+                names = tuple(name for name, _, _ in calls)
+                torch.set_rng_state(_PROBE_RNG)
+                given = x
+                for name in names:
+                    given = kids[name](given)
+                same_draws = torch.equal(after, torch.get_rng_state())
+        except Exception as e:  # noqa: BLE001 - a forward that fails on a probe is not this MLP
+            return f"its forward fails on a probe input ({type(e).__name__}: {e})"
+        if len(names) != len(kids) or len(set(names)) != len(names):
+            return "does not call each of its layers once"
+        if not (names[0] in projs and names[1] in acts and names[2] in projs):
+            return "its layers are not called as proj2(act(proj1(x)))"
+        given = x
+        for _name, args, result in calls:  # each child takes exactly the previous one's output
+            if len(args) != 1 or args[0] is not given:
+                return "a layer does not take the previous layer's output"
+            given = result
+        if out is not given:
+            return "its output is not its last layer's (a step after it, such as F.dropout)"
+        if not same_draws:
+            return "draws random numbers in training (dropout) that the fused path does not"
+        return names
+
+    return _cached("mlp", module, run)
+
+
+class Mlp(FusedBlock, nn.Module):
+    """A two-projection MLP (``mlp_chain``) running as one ``blocks.MlpFn`` when its layers
+    are wrapped with one setting (no hooks, training with grad); otherwise its own forward."""
+
+    def unfuse(self) -> nn.Module:
+        self.__dict__.pop("_mesa_mlp_chain", None)
+        return super().unfuse()
+
+    def forward(self, *args, **kwargs):
+        x = args[0] if len(args) == 1 and not kwargs else None
+        parts = None if x is None or not self._mesa_block_active(x) else _mlp_parts(self)
+        if parts is None:
+            return super().forward(*args, **kwargs)
+        p1, act, p2, p, spec = parts
+        fn, grad_fn = act.mesa_formula()
+        kinds = tuple("linear" if isinstance(m, nn.Linear) else "addmm" for m in (p1, p2))
+        dtypes = tuple(autocast_dtype(k, x.device) for k in kinds)
+        cfg = (kinds, dtypes, fn, backward_for(grad_fn, spec), p, spec)
+        return blocks.MlpFn.apply(x, p1.weight, p1.bias, p2.weight, p2.bias, cfg)
+
+
+def _mlp_parts(m: nn.Module):
+    """``(proj1, act, proj2, dropout p, spec)`` when ``m`` can run as one ``MlpFn``: its
+    layers converted with one setting, each projection's compressed path taken, the dropout
+    converted (p below 1, not in place), no hooks; else None."""
+    chain = m.__dict__.get("_mesa_mlp_chain")
+    if chain is None:
+        return None
+    layers = [getattr(m, name) for name in chain]
+    p1, act, p2 = layers[:3]
+    for proj in (p1, p2):
+        if isinstance(proj, Linear):
+            continue
+        mesa = next((c for t, c in _PROJECTIONS.items() if isinstance(proj, t)), None)
+        if mesa is None or not isinstance(proj, mesa) or proj.bias is None:
+            return None
+    if not _is_activation(act) or getattr(act, "inplace", False):
+        return None
+    p = 0.0
+    if len(layers) == 4:
+        drop = layers[3]
+        if type(drop).forward not in (nn.Dropout.forward, Dropout.forward) or drop.inplace:
+            return None
+        if drop.p != 0 and not (isinstance(drop, Dropout) and drop.mesa_spec is not None):
+            return None  # dropout left plain by the configuration keeps its own mask
+        if not 0 <= drop.p < 1:
+            return None
+        p = drop.p
+    spec = blocks.spec_of(p1, act, p2)
+    if spec is None or not plain_modules(m, *layers):
+        return None
+    return p1, act, p2, p, spec
+
+
+def _match_mlp(module: nn.Module):
+    found = mlp_chain(module)
+    if isinstance(found, tuple):
+        module.__dict__["_mesa_mlp_chain"] = found
+        return Mlp
+    return found
+
+
+def block_matchers() -> list[Callable[[nn.Module], type | str | None]]:
+    """``module -> FusedBlock class`` (recognised; its roles recorded on the module), a reason
+    (a candidate refused), or None (not a candidate), for ``wrap``'s block pass."""
+    return [_match_gated, _match_mlp]

@@ -1,0 +1,363 @@
+"""Recognition by proof (``mesa_lite.recognize``): modules known by structure are converted to a
+formula-based or fused path only when their forward is proved equal to it in training mode, on
+random weights in their own dtype, at several magnitudes, drawing the same random numbers.
+
+Each class of module that fooled the eval-mode, init-weight probe before is written here in a
+few lines (no transformers needed), and checked against the unwrapped module on the same
+inputs: forward bit for bit and ``debug_exact`` gradients bit for bit, whatever ``wrap``
+decides. Real Hugging Face modules of each class follow, where the installed transformers has
+them."""
+
+import copy
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import HFStyleRMSNorm, assert_equal, sqnr_db
+
+import mesa_lite
+from mesa_lite import Config
+from mesa_lite.modules import RMSNorm
+from mesa_lite.recognize import GatedMlp, Mlp
+
+
+def _randomize(model: nn.Module, seed: int = 5) -> nn.Module:
+    """Parameters away from their init values (a norm's weight of ones), as after training."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g).to(p.dtype) * 0.5 + 1.0)
+    return model
+
+
+def _run(model, x, seed=3):
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    torch.manual_seed(seed)
+    y = model(x)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype)
+    y.backward(g)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return y, {"input": x.grad, **grads}
+
+
+def _same_as_plain(plain, x, floor=25.0):
+    """Training forward bit for bit and debug_exact gradients bit for bit against ``plain``;
+    int8 gradients above ``floor`` dB. Returns the int8-wrapped copy."""
+    y0, g0 = _run(plain, x)
+    for exact in (True, False):
+        wrapped = mesa_lite.wrap(copy.deepcopy(plain), Config(debug_exact=exact))
+        y1, g1 = _run(wrapped, x)
+        assert_equal(y1, y0, f"forward (debug_exact={exact})")
+        for n, a in g0.items():
+            if exact:
+                assert_equal(g1[n], a, f"grad of {n}")
+            else:
+                assert sqnr_db(a, g1[n]) >= floor, n
+    return wrapped
+
+
+# ---- RMSNorm formulas -------------------------------------------------------------------------
+
+
+class OlmoStyleRMSNorm(nn.Module):
+    """Olmo2's (and NemotronH's, Gemma4's, Moshi's) form: the weight multiplies the fp32
+    normalized input, then the cast. Equal to Llama's form when the weight is ones."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * h).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_norm_of_another_formula_is_not_taken_for_llamas(dtype, caplog):
+    """With bf16 weights of ones both forms agree bit for bit; the proof's random weights
+    tell them apart. Llama's form is converted, the other left alone and named."""
+    torch.manual_seed(0)
+    llama = nn.Sequential(nn.Linear(32, 32), HFStyleRMSNorm(32), nn.Linear(32, 32)).to(dtype)
+    olmo = nn.Sequential(nn.Linear(32, 32), OlmoStyleRMSNorm(32), nn.Linear(32, 32)).to(dtype)
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        wrapped_olmo = mesa_lite.wrap(copy.deepcopy(olmo))
+    assert isinstance(mesa_lite.wrap(copy.deepcopy(llama))[1], RMSNorm)
+    assert type(wrapped_olmo[1]) is OlmoStyleRMSNorm
+    assert "OlmoStyleRMSNorm x1 (not the Hugging Face RMSNorm formula" in caplog.text
+    x = torch.randn(3, 7, 32).to(dtype)
+    _same_as_plain(_randomize(olmo), x)  # as after training moved the weights
+
+
+def test_olmo2_model_gradients_exact_after_its_weights_move():
+    mods = pytest.importorskip("transformers")
+    if not hasattr(mods, "Olmo2Config"):
+        pytest.skip("no Olmo2 in this transformers")
+    config = mods.Olmo2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    model = _randomize(mods.Olmo2ForCausalLM(config).to(torch.bfloat16)).train()
+    wrapped = mesa_lite.wrap(copy.deepcopy(model), Config(debug_exact=True))
+    assert not any(isinstance(m, RMSNorm) for m in wrapped.modules())
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for m in (model, wrapped):
+        m.zero_grad(set_to_none=True)
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        outs.append((out.logits, {n: p.grad for n, p in m.named_parameters()}))
+    assert_equal(outs[1][0], outs[0][0], "logits")
+    for n, g in outs[0][1].items():
+        assert_equal(outs[1][1][n], g, f"grad of {n}")
+
+
+# ---- gated MLPs ---------------------------------------------------------------------------------
+
+
+class Gated(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` and the variants that fooled the old probe."""
+
+    def __init__(self, variant="plain", h=16, i=40):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+        self.act_fn = nn.SiLU()
+        self.variant = variant
+        if variant in ("dropout_child", "dropout_between"):
+            self.dropout = nn.Dropout(0.1)
+        self.limit = 0.5
+
+    def forward(self, x):
+        v = self.variant
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if v == "clamp":  # DeepseekV4, GLM5Next, Step3p7: swiglu_limit
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        h = self.act_fn(gate) * up
+        if v == "dropout_between":  # T5Gemma's MLP
+            h = self.dropout(h)
+        y = self.down_proj(h)
+        if v == "functional_dropout":  # SeedOss: residual_dropout
+            y = F.dropout(y, p=0.1, training=self.training)
+        if v == "dropout_child":
+            y = self.dropout(y)
+        return y
+
+
+@pytest.mark.parametrize(
+    "variant", ["functional_dropout", "dropout_child", "dropout_between", "clamp"]
+)
+def test_gated_mlp_variants_are_not_fused_and_stay_exact(variant):
+    """Dropout in training and a clamp that a small init-weight probe never reaches: the
+    module keeps its own forward (layers compressed one by one), equal to the plain one."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), Gated(variant))
+    wrapped = _same_as_plain(plain, torch.randn(3, 9, 16) * 3)
+    assert not isinstance(wrapped[1], GatedMlp)
+    assert isinstance(wrapped[1].gate_proj, mesa_lite.modules.Linear)
+
+
+def test_gated_mlp_with_dropout_is_named_in_the_summary(caplog):
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        mesa_lite.wrap(Gated("functional_dropout"))
+    assert "not fused (their layers run one by one) 1: Gated x1 (not down(act(gate(x)) * " in (
+        caplog.text
+    )
+    assert "draws random numbers in training (dropout)" in caplog.text
+
+
+class TitanFeedForward(nn.Module):
+    """torchtitan's (and many hand-written Llamas') MLP: ``w2(F.silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, h=16, i=40, act=F.silu):
+        super().__init__()
+        self.w1 = nn.Linear(h, i, bias=False)
+        self.w2 = nn.Linear(i, h, bias=False)
+        self.w3 = nn.Linear(h, i, bias=False)
+        self.act = act
+
+    def forward(self, x):
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
+
+
+@pytest.mark.parametrize(
+    "act", [F.silu, F.gelu, lambda t: F.gelu(t, approximate="tanh")], ids=["silu", "gelu", "tanh"]
+)
+def test_gated_mlp_with_other_names_and_a_functional_activation_is_fused(act):
+    from mesa_lite.blocks import GatedMlpFn
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(HFStyleRMSNorm(16), TitanFeedForward(act=act))
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain))
+    assert isinstance(wrapped[1], GatedMlp)
+    assert wrapped[1].__dict__["_mesa_gated"][:3] == ("w1", "w3", "w2")
+    calls = []
+    apply = GatedMlpFn.apply
+    GatedMlpFn.apply = lambda *a: calls.append(1) or apply(*a)
+    try:
+        _same_as_plain(plain, torch.randn(3, 9, 16) * 2)
+    finally:
+        GatedMlpFn.apply = apply
+    assert calls, "the block Function did not run"
+
+
+def test_gated_mlp_with_an_unknown_functional_activation_is_not_fused():
+    plain = TitanFeedForward(act=torch.tanh)
+    wrapped = _same_as_plain(plain, torch.randn(2, 5, 16))
+    assert not isinstance(wrapped, GatedMlp)
+
+
+# ---- two-projection MLPs ----------------------------------------------------------------------
+
+
+class TwoProj(nn.Module):
+    """Starcoder2's MLP: ``F.dropout(c_proj(act(c_fc(x))))``."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.c_fc = nn.Linear(16, 40)
+        self.c_proj = nn.Linear(40, 16)
+        self.act = nn.GELU(approximate="tanh")
+        self.p = p
+
+    def forward(self, x):
+        return F.dropout(self.c_proj(self.act(self.c_fc(x))), p=self.p, training=self.training)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_two_projection_mlp_with_functional_dropout(p):
+    """p > 0: not fused (the fused path would drop the dropout); p = 0: fused."""
+    torch.manual_seed(0)
+    wrapped = _same_as_plain(nn.Sequential(nn.LayerNorm(16), TwoProj(p)), torch.randn(3, 9, 16))
+    assert isinstance(wrapped[1], Mlp) == (p == 0.0)
+
+
+# ---- meta-device construction, and no transformers --------------------------------------------
+
+
+class TinyDecoderLayer(nn.Module):
+    def __init__(self, h=16):
+        super().__init__()
+        self.attention_norm = HFStyleRMSNorm(h)
+        self.wqkv = nn.Linear(h, 3 * h, bias=False)
+        self.wo = nn.Linear(h, h, bias=False)
+        self.ffn_norm = HFStyleRMSNorm(h)
+        self.feed_forward = TitanFeedForward(h)
+
+    def forward(self, x):
+        q, k, v = self.wqkv(self.attention_norm(x)).chunk(3, dim=-1)
+        x = x + self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+def _classes(model):
+    return [type(m).__name__ for m in model.modules()]
+
+
+def test_meta_device_construction_converts_the_same_modules():
+    torch.manual_seed(0)
+    real = mesa_lite.wrap(nn.Sequential(TinyDecoderLayer(), TinyDecoderLayer()))
+    with torch.device("meta"):
+        meta = nn.Sequential(TinyDecoderLayer(), TinyDecoderLayer())
+    mesa_lite.wrap(meta)
+    assert _classes(meta) == _classes(real)
+    assert sum(isinstance(m, GatedMlp) for m in meta.modules()) == 2
+    assert sum(isinstance(m, RMSNorm) for m in meta.modules()) == 4
+    meta.to_empty(device="cpu")
+    meta.load_state_dict(real.state_dict())
+    x = torch.randn(2, 5, 16)
+    (y0, g0), (y1, g1) = _run(real, x), _run(meta, x)
+    assert_equal(y1, y0, "forward")
+    for n, a in g0.items():
+        assert_equal(g1[n], a, f"grad of {n}")
+
+
+def test_meta_device_llama_converts_the_same_modules():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1)  # fmt: skip
+    real = mesa_lite.wrap(transformers.LlamaForCausalLM(config))
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(config)
+    mesa_lite.wrap(meta)
+    assert _classes(meta) == _classes(real)
+    assert sum(isinstance(m, GatedMlp) for m in meta.modules()) == 2
+
+
+def test_recognition_needs_no_transformers():
+    """With transformers unimportable, a Llama-style model written in plain torch still has its
+    RMSNorms converted and its gated MLPs fused."""
+    code = textwrap.dedent(
+        """
+        import sys
+        sys.modules["transformers"] = None  # import transformers raises ImportError
+        sys.path.insert(0, "tests")
+        import torch
+        import mesa_lite
+        from mesa_lite.modules import RMSNorm
+        from mesa_lite.recognize import GatedMlp
+        from test_recognize import TinyDecoderLayer
+        model = mesa_lite.wrap(torch.nn.Sequential(TinyDecoderLayer(), TinyDecoderLayer()))
+        kinds = (GatedMlp, RMSNorm)
+        print([sum(isinstance(m, k) for m in model.modules()) for k in kinds])
+        """
+    )
+    root = __file__.rsplit("/tests/", 1)[0]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[2,", "4]"], out.stdout
+
+
+# ---- the named Hugging Face modules -------------------------------------------------------------
+
+
+def _hf(module_path: str, cls: str):
+    mod = pytest.importorskip(module_path)
+    if not hasattr(mod, cls):
+        pytest.skip(f"no {cls} in this transformers")
+    return getattr(mod, cls)
+
+
+def test_seed_oss_mlp_residual_dropout():
+    SeedOssMLP = _hf("transformers.models.seed_oss.modeling_seed_oss", "SeedOssMLP")
+    from transformers import SeedOssConfig
+
+    config = SeedOssConfig(hidden_size=16, intermediate_size=40, residual_dropout=0.1)
+    torch.manual_seed(0)
+    wrapped = _same_as_plain(nn.Sequential(nn.Linear(16, 16), SeedOssMLP(config)),
+                             torch.randn(3, 9, 16))  # fmt: skip
+    assert not isinstance(wrapped[1], GatedMlp)
+
+
+def test_deepseek_v4_mlp_swiglu_limit():
+    DeepseekV4MLP = _hf("transformers.models.deepseek_v4.modeling_deepseek_v4", "DeepseekV4MLP")
+    from transformers import DeepseekV4Config
+
+    config = DeepseekV4Config(hidden_size=16, intermediate_size=40, swiglu_limit=2.0)
+    torch.manual_seed(0)
+    wrapped = _same_as_plain(nn.Sequential(nn.Linear(16, 16), DeepseekV4MLP(config)),
+                             torch.randn(3, 9, 16) * 3)  # fmt: skip
+    assert not isinstance(wrapped[1], GatedMlp)
+
+
+def test_starcoder2_and_prophetnet_feed_forwards_with_dropout():
+    Starcoder2MLP = _hf("transformers.models.starcoder2.modeling_starcoder2", "Starcoder2MLP")
+    FeedForward = _hf("transformers.models.prophetnet.modeling_prophetnet", "ProphetNetFeedForward")
+    from transformers import ProphetNetConfig, Starcoder2Config
+
+    torch.manual_seed(0)
+    star = Starcoder2MLP(Starcoder2Config(hidden_size=16, intermediate_size=40,
+                                          residual_dropout=0.1))  # fmt: skip
+    prophet = FeedForward(ProphetNetConfig(hidden_size=16, activation_dropout=0.1), 40)
+    for mlp in (star, prophet):
+        wrapped = _same_as_plain(nn.Sequential(nn.Linear(16, 16), mlp), torch.randn(3, 9, 16))
+        assert not isinstance(wrapped[1], Mlp), type(mlp).__name__
