@@ -361,3 +361,16 @@ def test_starcoder2_and_prophetnet_feed_forwards_with_dropout():
     for mlp in (star, prophet):
         wrapped = _same_as_plain(nn.Sequential(nn.Linear(16, 16), mlp), torch.randn(3, 9, 16))
         assert not isinstance(wrapped[1], Mlp), type(mlp).__name__
+
+
+def test_wrap_again_after_resize_token_embeddings_converts_the_new_head():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, tie_word_embeddings=False)  # fmt: skip
+    model = mesa_lite.wrap(transformers.LlamaForCausalLM(config))
+    model.resize_token_embeddings(80, mean_resizing=False)
+    assert type(model.lm_head) is nn.Linear  # built by transformers after wrap: plain
+    mesa_lite.wrap(model)
+    assert isinstance(model.lm_head, mesa_lite.modules.Linear)
+    assert model.lm_head.weight.shape[0] == 80
