@@ -33,6 +33,8 @@ _WEIGHTS: dict[torch.device, torch.Tensor] = {}
 def _weights(device: torch.device) -> torch.Tensor:
     """1, 2, 4, ..., 128 as uint8 on ``device``, made once per device: built from a Python
     list on each call it would be a host-to-device copy, which waits for the GPU's queue."""
+    if torch.compiler.is_compiling():  # a constant of the graph (no cache: a side effect)
+        return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
     w = _WEIGHTS.get(device)
     if w is None:
         w = _WEIGHTS[device] = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8).to(

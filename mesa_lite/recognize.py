@@ -80,7 +80,8 @@ _SCALES = (1.0, 1e-3, 1e3)
 
 def _random_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """CPU tensors for every parameter and buffer of ``module``: floating ones drawn at random
-    (uniform in [-2, 2), cheaper than normal draws for a large layer) in their own dtype (tied tensors stay tied), others copied (zeros on the meta device)."""
+    (uniform in [-2, 2), cheaper than normal draws for a large layer) in their own dtype (tied
+    tensors stay tied), others copied (zeros on the meta device)."""
     g = torch.Generator().manual_seed(0)
     state: dict[str, torch.Tensor] = {}
     made: dict[int, torch.Tensor] = {}

@@ -76,8 +76,40 @@ def sdpa_backend(q, k, v, dropout_p: float, is_causal: bool, scale, mask=None,
         except RuntimeError:
             return -1
     if q.device.type == "cpu":
-        return SDPA_FLASH if torch._C._get_flash_sdp_enabled() else -1
-    params = torch.backends.cuda.SDPAParams(q, k, v, mask, dropout_p, is_causal, enable_gqa)
+        return SDPA_FLASH if _cpu_flash_ok(q, k, v, dropout_p) else -1
+    layout = tuple((tuple(t.shape), tuple(t.stride())) for t in (q, k, v))
+    m = None if mask is None else (tuple(mask.shape), tuple(mask.stride()), mask.dtype)
+    flags = (float(dropout_p), bool(is_causal), bool(enable_gqa))
+    return _cuda_backend_constant(layout, q.dtype, q.device.index, m, *flags,
+                                  sdpa_backends_enabled())  # fmt: skip
+
+
+def _cpu_flash_ok(q, k, v, dropout_p: float) -> bool:
+    """ATen's checks for CPU flash attention (``use_flash_attention_cpp``) that decide between
+    it and the math path: enabled, no dropout, 4-D inputs of one head size, none empty, unit
+    stride in the last dim."""
+    if not torch._C._get_flash_sdp_enabled() or dropout_p > 0:
+        return False
+    if not (q.dim() == k.dim() == v.dim() == 4) or not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        return False
+    if q.shape[-2] == 0 or k.shape[-2] == 0:
+        return False
+    return q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+
+
+@torch.compiler.assume_constant_result
+def _cuda_backend_constant(layout, dtype, index, mask, dropout_p, is_causal, enable_gqa,
+                           enabled) -> int:  # fmt: skip
+    """Flash attention, else the memory-efficient kernel, else -1, for tensors of ``layout``
+    (shapes and strides): torch.compile calls this once while tracing, on empty tensors of the
+    same layout (Dynamo cannot trace ``SDPAParams`` on every torch version). ``enabled``, the
+    backends the user enabled, is an argument so that a change of it is a new constant."""
+    device = torch.device("cuda", index)
+    q, k, v = (torch.empty_strided(s, st, dtype=dtype, device=device) for s, st in layout)
+    bias = None
+    if mask is not None:
+        bias = torch.empty_strided(mask[0], mask[1], dtype=mask[2], device=device)
+    params = torch.backends.cuda.SDPAParams(q, k, v, bias, dropout_p, is_causal, enable_gqa)
     if torch.backends.cuda.can_use_flash_attention(params):
         return SDPA_FLASH
     if torch.backends.cuda.can_use_efficient_attention(params):
@@ -304,6 +336,10 @@ def scaled_dot_product_attention(
         backend = -2
     if backend not in fused_backends(q.device):
         why = "a mask that needs grad" if backend == -2 else f"SDPA backend {backend}"
+        if backend in (-1, 0) and q.device.type == "cpu" and dropout_p > 0:
+            why = "dropout (PyTorch runs attention with dropout on its math path on the CPU)"
+        elif backend in (-1, 0):
+            why = "inputs no fused SDPA kernel takes (PyTorch's math path)"
         warn_once(
             f"sdpa-{why}-{q.device.type}",
             f"mesa_lite: attention with {why} on {q.device.type} is not compressed; "
