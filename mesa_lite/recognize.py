@@ -333,7 +333,7 @@ _ACT_FUNCTIONS = {
 def _gated_candidate(module: nn.Module):
     """(projection names, activation child name or None) of a module made of three linear
     projections, at most one activation child and parameter-free children; else None."""
-    if isinstance(module, FusedBlock):
+    if isinstance(module, (FusedBlock, MesaModule)):
         return None
     kids = dict(module.named_children())
     projs = [n for n, m in kids.items() if type(m) is nn.Linear or isinstance(m, Linear)]
@@ -380,8 +380,8 @@ def _gated_formula(module: nn.Module, roles) -> Callable[[torch.Tensor], torch.T
 def gated_mlp(module: nn.Module) -> tuple | str | None:
     """``(gate, up, down, act)`` names (``act``: an activation child's name or a key of
     ``_ACT_FUNCTIONS``) when ``module``'s forward is proved to be
-    ``down(act(gate(x)) * up(x))``; the reason when a candidate is not; None for a module
-    that is not a candidate."""
+    ``down(act(gate(x)) * up(x))``; the reason when a module with that data flow computes
+    otherwise; None for a module without it."""
     found = _gated_candidate(module)
     if found is None:
         return None
@@ -390,10 +390,10 @@ def gated_mlp(module: nn.Module) -> tuple | str | None:
     def run():
         try:
             options = _gated_roles(module, projs, act)
-        except Exception as e:  # noqa: BLE001 - a forward that fails on a probe is not this MLP
-            return f"its forward fails on a probe input ({type(e).__name__}: {e})"
-        if not options:
-            return "its projections are not called as down(act(gate(x)) * up(x))"
+        except Exception:  # noqa: BLE001 - a forward that fails on a probe is not this MLP
+            return None
+        if not options:  # not an MLP's data flow (BERT's q, k, v): not a candidate after all
+            return None
         w = getattr(module, projs[0]).weight
         why = None
         for roles in options:
@@ -472,7 +472,7 @@ def _match_gated(module: nn.Module):
 
 def _mlp_candidate(module: nn.Module):
     kids = dict(module.named_children())
-    if len(kids) not in (3, 4) or isinstance(module, FusedBlock):
+    if len(kids) not in (3, 4) or isinstance(module, (FusedBlock, MesaModule)):
         return None
     projs = [n for n, m in kids.items() if _is_projection(m)]
     acts = [n for n, m in kids.items() if _is_activation(m)]
@@ -487,7 +487,7 @@ def mlp_chain(module: nn.Module) -> tuple | str | None:
     be ``dropout(proj2(act(proj1(x))))``: on a probe input in training mode each child is
     called once, in that order, on the previous one's output, the result is the last one's
     output, and the forward draws no random numbers but the dropout child's. The reason when a
-    candidate is not; None for a module that is not a candidate."""
+    module with that chain of calls computes something more; None for a module without it."""
     found = _mlp_candidate(module)
     if found is None:
         return None
@@ -508,16 +508,17 @@ def mlp_chain(module: nn.Module) -> tuple | str | None:
                 for name in names:
                     given = kids[name](given)
                 same_draws = torch.equal(after, torch.get_rng_state())
-        except Exception as e:  # noqa: BLE001 - a forward that fails on a probe is not this MLP
-            return f"its forward fails on a probe input ({type(e).__name__}: {e})"
+        except Exception:  # noqa: BLE001 - a forward that fails on a probe is not this MLP
+            return None
+        # not this data flow: not a candidate after all (nothing to report)
         if len(names) != len(kids) or len(set(names)) != len(names):
-            return "does not call each of its layers once"
+            return None
         if not (names[0] in projs and names[1] in acts and names[2] in projs):
-            return "its layers are not called as proj2(act(proj1(x)))"
+            return None
         given = x
         for _name, args, result in calls:  # each child takes exactly the previous one's output
             if len(args) != 1 or args[0] is not given:
-                return "a layer does not take the previous layer's output"
+                return None
             given = result
         if out is not given:
             return "its output is not its last layer's (a step after it, such as F.dropout)"
