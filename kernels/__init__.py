@@ -12,10 +12,13 @@ from .group_quant import (
     dequantize_ref,
     n_code_bytes,
     n_groups_of,
+    next_rounding_seed,
     per_byte,
     qrange,
     quantize,
     quantize_ref,
+    rounding_state,
+    set_rounding_state,
 )
 from .launch import Launcher, use_triton
 
@@ -38,4 +41,7 @@ __all__ = [
     "qrange",
     "quantize",
     "quantize_ref",
+    "next_rounding_seed",
+    "rounding_state",
+    "set_rounding_state",
 ]

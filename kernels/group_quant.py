@@ -26,7 +26,18 @@ Bit-exactness between kernel and reference: both compute ``scale = absmax / qmax
 ``x / scale`` with IEEE round-to-nearest division (``tl.math.div_rn``; a tensor-by-tensor
 division in torch), and round half to even, so codes and scales match bit for bit with nearest
 rounding. Stochastic rounding (``floor(y + u)``, u uniform in [0, 1)) draws ``u`` from Philox in
-the kernel and from ``torch.rand`` in the reference: both are unbiased, they are not equal.
+the kernel and from ``torch.rand`` on a local generator in the reference: both are unbiased,
+they are not equal.
+
+Stochastic rounding's seed (``next_rounding_seed``) never draws from torch's generators: a
+draw there would move every later random op (the dropout masks a checkpointed block's
+recompute must replay, data shuffling). Each call takes the next value of a private counter,
+mixed with ``torch.initial_seed()`` into a 31-bit seed; the counter restarts at 0 whenever a
+call sees a new initial seed (``torch.manual_seed`` with another value, ``torch.seed``, or
+``torch.set_rng_state`` of a state seeded otherwise), so a process seeded with
+``torch.manual_seed(s)`` repeats its draws. Within one process, ``rounding_state`` and
+``set_rounding_state`` save and restore the counter (with torch's RNG state, to resume
+bit-identically).
 """
 
 from __future__ import annotations
@@ -83,6 +94,42 @@ def _check_bits_group(bits: int, group_size: int, where: str) -> None:
             f"(codes per byte), got {group_size}"
         )
     _CHECKED.add((bits, group_size))
+
+
+# stochastic rounding's seed source: [torch.initial_seed() it counts under, calls since then]
+_ROUNDING: list = [None, 0]
+_MASK64 = (1 << 64) - 1
+
+
+def next_rounding_seed() -> int:
+    """A 31-bit seed for one stochastic quantization, from the private counter (see the module
+    docstring): reproducible under ``torch.manual_seed``, and it leaves torch's generators as
+    they are."""
+    base = torch.initial_seed()
+    state = _ROUNDING
+    if state[0] != base:
+        state[0], state[1] = base, 0
+    n = state[1]
+    state[1] = n + 1
+    # splitmix64 of (base, n): neighbouring counters give unrelated seeds
+    z = (base * 0x9E3779B97F4A7C15 + (n + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & 0x7FFFFFFF
+
+
+def rounding_state() -> tuple:
+    """The stochastic-rounding seed counter, ``(initial_seed, calls)``, to save with torch's
+    RNG state (``torch.get_rng_state()``) for a bit-identical resume."""
+    return tuple(_ROUNDING)
+
+
+def set_rounding_state(state: tuple) -> None:
+    """Restores a ``rounding_state()``."""
+    base, n = state
+    if not (base is None or isinstance(base, int)) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"set_rounding_state: expected (initial_seed, calls), got {state!r}")
+    _ROUNDING[0], _ROUNDING[1] = base, n
 
 
 def _check_quantize_args(x: torch.Tensor, group_size: int, bits: int) -> None:
@@ -475,8 +522,8 @@ def quantize(
         return codes, scales
     mean, rstd = (x, x) if normalize is None else (t.contiguous() for t in normalize)
     qmin, qmax = qrange(signed, bits)
-    # The Philox seed comes from torch's CPU generator: reproducible under torch.manual_seed.
-    seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if stochastic else 0
+    # The Philox seed: reproducible under torch.manual_seed, no draw from torch's generators.
+    seed = next_rounding_seed() if stochastic else 0
     rows, block = _launch_shape(group_size)
     _QUANTIZE(
         ((ng + rows - 1) // rows,),  # not triton.cdiv: a constexpr function, ~8 us a call
@@ -524,7 +571,12 @@ def quantize_ref(
     special = torch.where(xp == float("inf"), float(qmax), 0.0)
     special = torch.where(xp == float("-inf"), float(-qmax), special)
     y = torch.where(finite[:, None], y, special)
-    q = torch.floor(y + torch.rand_like(y)) if stochastic else torch.round(y)
+    if stochastic:  # uniforms from a local generator: torch's own are left as they are
+        gen = torch.Generator(device=y.device)
+        gen.manual_seed(next_rounding_seed())
+        q = torch.floor(y + torch.rand(y.shape, generator=gen, device=y.device, dtype=y.dtype))
+    else:
+        q = torch.round(y)
     q = q.clamp_(qmin, qmax).view(-1)[:n]
     if bits == 8:
         return q.to(code_dtype), scale

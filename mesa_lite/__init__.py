@@ -35,6 +35,8 @@ _WHERE = {
     "wrap": "mesa_lite.wrap",
     "wrapped_modules": "mesa_lite.wrap",
     "report": "",
+    "rounding_state": "mesa_lite.kernels.group_quant",
+    "set_rounding_state": "mesa_lite.kernels.group_quant",
 }
 
 __all__ = sorted([*_WHERE, "__version__"])
@@ -43,6 +45,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads t
     from mesa_lite import report  # noqa: F401
     from mesa_lite.breakdown import MemoryBreakdown, memory_breakdown  # noqa: F401
     from mesa_lite.config import LAYER_KINDS, Config, QuantSpec  # noqa: F401
+    from mesa_lite.kernels.group_quant import rounding_state, set_rounding_state  # noqa: F401
     from mesa_lite.modules import GELU, LayerNorm, Linear, MatMul, Softmax  # noqa: F401
     from mesa_lite.report import MemoryReport, memory_report  # noqa: F401
     from mesa_lite.wrap import register, unwrap, wrap, wrapped_modules  # noqa: F401

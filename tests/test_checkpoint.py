@@ -31,8 +31,9 @@ def step(model, opt, x, y):
 def test_resume_gives_the_same_next_steps(bits):
     """Save model, optimizer and RNG state after 3 steps; a fresh process-like restart
     (new model from other weights, loaded from the checkpoint) gives bit-identical losses and
-    weights for the next two steps. Stochastic rounding draws from torch's RNG, which is why
-    the RNG state belongs in the checkpoint."""
+    weights for the next two steps. Stochastic rounding takes its seeds from mesa_lite's own
+    counter (it leaves torch's generators alone), so its state (``mesa_lite.rounding_state()``)
+    belongs in the checkpoint with torch's RNG state."""
     config = mesa_lite.Config(bits=bits)
     data = batches(5)
     model = mesa_lite.wrap(tiny_vit(), config)
@@ -41,7 +42,8 @@ def test_resume_gives_the_same_next_steps(bits):
         step(model, opt, x, y)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
-                "rng": torch.get_rng_state()}, buf)  # fmt: skip
+                "rng": torch.get_rng_state(), "rounding": mesa_lite.rounding_state()},
+               buf)  # fmt: skip
     running = [step(model, opt, x, y) for x, y in data[3:]]
 
     buf.seek(0)
@@ -51,6 +53,7 @@ def test_resume_gives_the_same_next_steps(bits):
     opt2 = torch.optim.AdamW(resumed.parameters(), lr=1e-3)
     opt2.load_state_dict(ckpt["opt"])
     torch.set_rng_state(ckpt["rng"])
+    mesa_lite.set_rounding_state(ckpt["rounding"])
     again = [step(resumed, opt2, x, y) for x, y in data[3:]]
     for a, b in zip(running, again, strict=True):
         assert_equal(b, a, "loss after resuming")

@@ -110,15 +110,32 @@ def test_stochastic_rounding_unbiased_and_within_one_step(
 
 @pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "reference"])
 def test_stochastic_rounding_reproducible_under_seed(use_triton, device, triton_device):
+    """Seeds come from a private counter that restarts when a call sees a new
+    ``torch.initial_seed()``: a run seeded alike repeats its draws (another seed seen in
+    between stands for a fresh process); ``rounding_state`` / ``set_rounding_state`` replay
+    them within a process; torch's generator is not drawn from."""
     device = triton_device if use_triton else device
     x = _make((3000,), torch.bfloat16, device, True, seed=7)
+
+    def q():
+        return gq.quantize(x, 128, stochastic=True, use_triton=use_triton)
+
+    torch.manual_seed(7)
+    q()  # a call under another seed first, as in a fresh process
     torch.manual_seed(123)
-    a = gq.quantize(x, 128, stochastic=True, use_triton=use_triton)
+    a = q()
+    torch.manual_seed(7)
+    q()
     torch.manual_seed(123)
-    b = gq.quantize(x, 128, stochastic=True, use_triton=use_triton)
-    c = gq.quantize(x, 128, stochastic=True, use_triton=use_triton)
+    b = q()
+    c = q()
     assert_equal(a[0], b[0], "same seed")
     assert not torch.equal(a[0], c[0]), "different draws gave the same codes"
+    saved, rng = gq.rounding_state(), torch.get_rng_state()
+    d = q()
+    gq.set_rounding_state(saved)
+    assert_equal(q()[0], d[0], "restored rounding state")
+    assert torch.equal(torch.get_rng_state(), rng), "torch's generator was drawn from"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
