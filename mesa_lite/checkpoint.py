@@ -17,6 +17,13 @@ as the layers; ``unwrap`` or a new ``wrap`` takes it off). Its forward goes thro
   parameters, which are inputs of the Function: their gradients flow through the outer graph
   (DDP's and FSDP's hooks and ``find_unused_parameters`` see them as in plain training).
 
+Running statistics are updated once per step, by the forward, as in plain training: during
+the recompute the modules inside the unit that track them in training (BatchNorm of any
+dimension, ``SyncBatchNorm``, timm's ``BatchNormAct2d``, an ``InstanceNorm`` with
+``track_running_stats=True``) run with ``track_running_stats = False`` (still normalizing
+with the batch's statistics), and are put back after, also on an error. Other state a
+module changes in its forward (a custom moving average, a counter) is changed twice.
+
 Inside the recompute the block's layers run exact (``checkpoint_inner="exact"``: ``wrap``
 leaves the layers inside checkpointed modules in their own class), exact but for the norms
 (``"norms"``, the default: a LayerNorm's fp32 input is the largest tensor a block keeps, and
@@ -244,6 +251,37 @@ def _replay(state: _Call):
         yield
 
 
+@contextlib.contextmanager
+def _running_stats_frozen(module: nn.Module):
+    """The recompute must not update running statistics a second time (BatchNorm's mean,
+    variance and ``num_batches_tracked``; the forward updated them): the modules inside
+    ``module`` that track them in training (``nn.BatchNorm1d/2d/3d``, ``SyncBatchNorm``,
+    timm's ``BatchNormAct2d``, an ``InstanceNorm`` with ``track_running_stats=True``) get
+    ``track_running_stats = False`` while it runs, which keeps their batch statistics and
+    skips the update; an InstanceNorm passes its buffers whatever that flag says, so they are
+    set to None too. Everything is put back after, also on an error."""
+    tracked = [
+        m for m in module.modules()
+        if m.__dict__.get("track_running_stats") is True and m.training
+    ]  # fmt: skip
+    if not tracked:
+        yield
+        return
+    buffers = []
+    try:
+        for m in tracked:
+            m.track_running_stats = False
+            if isinstance(m, nn.modules.instancenorm._InstanceNorm):
+                buffers.append((m, m.running_mean, m.running_var))
+                m.running_mean = m.running_var = None
+        yield
+    finally:
+        for m in tracked:
+            m.track_running_stats = True
+        for m, mean, var in buffers:
+            m.running_mean, m.running_var = mean, var
+
+
 def _format(t: torch.Tensor):
     """The memory format to give a rebuilt input (channels_last stays channels_last)."""
     fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
@@ -316,7 +354,7 @@ class CheckpointFn(torch.autograd.Function):
         for i in state.no_cache:  # the forward wrote the cache; the recompute runs without
             leaves[i] = None
         args, kwargs = tree_unflatten(leaves, state.treespec)
-        with _replay(state):
+        with _replay(state), _running_stats_frozen(state.module):
             flat, _ = _flatten(state.run(*args, **kwargs))
         outs, gouts = [], []
         for i, g in zip(state.out_slots, grads, strict=True):

@@ -13,6 +13,7 @@ from conftest import sqnr_db
 
 import mesa_lite
 from mesa_lite import Config
+from mesa_lite.checkpoint import Checkpointed
 
 tf = pytest.importorskip("transformers")
 tf.logging.set_verbosity_error()
@@ -223,3 +224,70 @@ def test_four_bit_checkpointing_with_dropout_against_plain(inner):
         medians[rounding] = dbs[len(dbs) // 2]
     assert medians["stochastic"] >= 14.0, medians
     assert medians["stochastic"] >= medians["nearest"] - 8.0, medians
+
+
+# ---- 8: running statistics -----------------------------------------------------------------
+
+
+class _ConvBlock(torch.nn.Module):
+    """conv -> BatchNorm (+ ReLU, timm's BatchNormAct2d when timm is there) -> conv ->
+    BatchNorm, residual add, ReLU, then an InstanceNorm that tracks running statistics."""
+
+    def __init__(self, c: int):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(c, c, 3, padding=1, bias=False)
+        try:
+            from timm.layers import BatchNormAct2d
+
+            self.bn1 = BatchNormAct2d(c)
+        except ImportError:
+            self.bn1 = torch.nn.Sequential(torch.nn.BatchNorm2d(c), torch.nn.ReLU())
+        self.conv2 = torch.nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(c)
+        self.inorm = torch.nn.InstanceNorm2d(c, affine=True, track_running_stats=True)
+
+    def forward(self, x):
+        return self.inorm(F.relu(x + self.bn2(self.conv2(self.bn1(self.conv1(x))))))
+
+
+def _cnn(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), *[_ConvBlock(8) for _ in range(3)],
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 5),
+    ).train()  # fmt: skip
+
+
+def _stats(model) -> dict:
+    return {n: b.clone() for n, b in model.named_buffers()}
+
+
+def test_running_statistics_updated_once_per_step():
+    """A checkpointed block's BatchNorms (torch's and timm's) and tracking InstanceNorm update
+    their running statistics in the forward only: after two SGD steps, running means,
+    variances and num_batches_tracked equal plain training's, as do gradients (debug_exact)
+    and eval-mode outputs. Compressed (8 bits), the first step's statistics are plain's too
+    (the forward is exact)."""
+    x, y = _images()
+    plain = _cnn()
+    for exact in (True, False):
+        ref, model = copy.deepcopy(plain), mesa_lite.wrap(
+            copy.deepcopy(plain), Config(checkpoint="blocks", debug_exact=exact))  # fmt: skip
+        assert [isinstance(b, Checkpointed) for b in model[1:4]] == [True, True, False]
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+        for step in range(2 if exact else 1):
+            grads = []
+            for m, opt in zip((ref, model), opts, strict=True):
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(m(x[step::2]), y[step::2]).backward()
+                grads.append(_grads(m))
+                opt.step()
+            if exact:
+                _assert_grads_equal(*grads)
+            s0, s1 = _stats(ref), _stats(model)
+            bad = [n for n in s0 if not torch.equal(s0[n], s1[n])]
+            assert not bad, f"step {step}: running statistics differ: {bad}"
+        assert int(model[1].bn2.num_batches_tracked) == (2 if exact else 1)
+        if exact:
+            with torch.no_grad():
+                assert torch.equal(ref.eval()(x), model.eval()(x))
