@@ -49,6 +49,14 @@ the forward fills holds the same keys and values as in plain training, computed 
 Caches are kept whole through the argument flattening (not rebuilt if exporting code made
 them pytree nodes).
 
+A model's own activation checkpointing turned on after ``wrap`` (Hugging Face's
+``gradient_checkpointing_enable()``, timm's ``set_grad_checkpointing()``) would recompute
+each checkpointed module inside its own recompute (three forwards). ``wrap`` refuses a model
+whose flag is already on; for one turned on later, ``apply`` records the modules on each
+unit's path from the root, the unit and those inside it that carry a ``gradient_checkpointing``
+or ``grad_checkpointing`` attribute, and the unit's first forward in training mode raises a
+ValueError naming the flag and how to turn it off.
+
 Under ``torch.compile`` the checkpointed call is a graph break (it runs eagerly); inside
 torch.func transforms, in eval mode or with grad off the module runs its plain forward.
 """
@@ -520,6 +528,66 @@ def _call(module: nn.Module, run, spec: QuantSpec, args: tuple, kwargs: dict):
     return tree_unflatten(flat, state.out_spec)
 
 
+# a model's own activation checkpointing: (flag, how to turn it off)
+_OTHER_CHECKPOINTING = (
+    ("gradient_checkpointing", "model.gradient_checkpointing_disable()"),  # Hugging Face
+    ("grad_checkpointing", "model.set_grad_checkpointing(False)"),  # timm
+)
+
+
+class _Others:
+    """The modules whose own checkpointing flag would run a checkpointed unit again: those on
+    its path from the root, itself and those inside it that carry a flag, as ``(name, module,
+    flag)``. Kept by reference; a deepcopy maps them to their copies and drops those not
+    copied with the unit (a unit copied alone is no longer inside that model)."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, entries):
+        self.entries = tuple(entries)
+
+    def __iter__(self):
+        return iter(self.entries)
+
+    def __deepcopy__(self, memo):
+        return _Others((n, memo[id(m)], f) for n, m, f in self.entries if id(m) in memo)
+
+    def __reduce__(self):
+        return (_Others, (self.entries,))
+
+
+def _others(model: nn.Module | None, name: str, unit: nn.Module) -> _Others:
+    path = [("", model)] if model is not None and name else []
+    if model is not None:
+        parts = name.split(".") if name else []
+        for i in range(1, len(parts)):
+            prefix = ".".join(parts[:i])
+            path.append((prefix, model.get_submodule(prefix)))
+    path += list(unit.named_modules(prefix=name))
+    return _Others(
+        (n, m, flag)
+        for n, m in path
+        for flag, _ in _OTHER_CHECKPOINTING
+        if hasattr(m, flag)
+    )  # fmt: skip
+
+
+def _check_other_checkpointing(module: nn.Module) -> None:
+    """A second checkpointing turned on after ``wrap`` (``gradient_checkpointing_enable()``,
+    ``set_grad_checkpointing()``) would recompute the unit inside its own recompute: each
+    block's forward three times. Cheap attribute reads of the flags recorded at ``apply``."""
+    for name, m, flag in module.__dict__.get("_mesa_ckpt_others", ()):
+        if getattr(m, flag, False) is True:
+            how = dict(_OTHER_CHECKPOINTING)[flag]
+            raise ValueError(
+                f"mesa_lite: {name or type(m).__name__}.{flag} is on, but "
+                f"{type(module).__name__} is checkpointed by mesa_lite (Config.checkpoint): "
+                "both at once would run each checkpointed module's forward three times. Turn "
+                f"the model's own checkpointing off ({how}), or wrap again without "
+                "Config.checkpoint to use it alone"
+            )
+
+
 class Checkpointed:
     """Mixin of a checkpointed module's class: its forward runs through ``CheckpointFn`` when
     training with grad (see the module docstring); ``_mesa_ckpt_spec`` holds the setting of
@@ -528,7 +596,10 @@ class Checkpointed:
     def forward(self, *args, **kwargs):
         spec = self.__dict__.get("_mesa_ckpt_spec")
         run = super().forward
-        if spec is None or not (self.training and torch.is_grad_enabled()):
+        if spec is None or not self.training:
+            return run(*args, **kwargs)
+        _check_other_checkpointing(self)
+        if not torch.is_grad_enabled():
             return run(*args, **kwargs)
         if in_functorch_transform():
             return run(*args, **kwargs)
@@ -537,13 +608,18 @@ class Checkpointed:
         return _call(self, run, spec, args, kwargs)
 
 
-def apply(units: list[tuple[str, nn.Module]], spec: QuantSpec) -> None:
-    """Makes each unit ``Checkpointed`` (its class over the one it has), keeping ``spec``."""
-    for _, module in units:
+def apply(
+    units: list[tuple[str, nn.Module]], spec: QuantSpec, model: nn.Module | None = None
+) -> None:
+    """Makes each unit ``Checkpointed`` (its class over the one it has), keeping ``spec``, and
+    records the checkpointing flags to check in its forward (``model``: the root the unit
+    names are relative to; without it, only the unit's own and its modules')."""
+    for name, module in units:
         before = type(module)
         _set_class(module, converted_class(Checkpointed, base_type(module)))
         module.__dict__["_mesa_ckpt_cls"] = before
         module.__dict__["_mesa_ckpt_spec"] = spec
+        module.__dict__["_mesa_ckpt_others"] = _others(model, name, module)
 
 
 def remove(model: nn.Module) -> int:
@@ -552,6 +628,7 @@ def remove(model: nn.Module) -> int:
     for module in model.modules():
         cls = module.__dict__.pop("_mesa_ckpt_cls", None)
         module.__dict__.pop("_mesa_ckpt_spec", None)
+        module.__dict__.pop("_mesa_ckpt_others", None)
         if cls is not None:
             module.__class__ = cls
             n += 1

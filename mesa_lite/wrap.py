@@ -351,7 +351,7 @@ def _wrap(model, config, filter_fn):
             stacklevel=2,
         )
     not_fused = _fuse_blocks(model)
-    _ckpt.apply(units, config.checkpoint_spec())
+    _ckpt.apply(units, config.checkpoint_spec(), model)
     losses, losses_exact = _transformers.after_wrap(model, config, user_filter)
     for spec in losses:
         converted["loss"] += 1

@@ -291,3 +291,41 @@ def test_running_statistics_updated_once_per_step():
         if exact:
             with torch.no_grad():
                 assert torch.equal(ref.eval()(x), model.eval()(x))
+
+
+# ---- 7: a second checkpointing turned on after wrap -----------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["blocks", "attention"])
+def test_hugging_face_checkpointing_turned_on_after_wrap_is_refused(policy):
+    """``gradient_checkpointing_enable()`` after ``wrap(..., Config(checkpoint=...))`` would
+    run each block three times: the first training forward raises, naming the flag and how to
+    turn it off; off again, training runs (and a deepcopy checks its own flags)."""
+    plain = _lm("llama")
+    ids, mask = _ids(False)
+    model = mesa_lite.wrap(copy.deepcopy(plain), Config(checkpoint=policy, debug_exact=True))
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match=r"gradient_checkpointing is on.*"
+                                         r"gradient_checkpointing_disable\(\)"):  # fmt: skip
+        model(input_ids=ids, labels=ids)
+    with torch.no_grad():
+        model.eval()(input_ids=ids)  # evaluation does not checkpoint: no error
+    model.train()
+    clone = copy.deepcopy(model)
+    model.gradient_checkpointing_disable()
+    with pytest.raises(ValueError, match="gradient_checkpointing is on"):
+        clone(input_ids=ids, labels=ids)
+    _, g0 = _lm_step(plain, ids, mask)
+    _, g1 = _lm_step(model, ids, mask)
+    _assert_grads_equal(g0, g1)
+
+
+def test_timm_checkpointing_turned_on_after_wrap_is_refused():
+    x, y = _images()
+    model = mesa_lite.wrap(_vit(), Config(checkpoint="blocks"))
+    model.set_grad_checkpointing()
+    with pytest.raises(ValueError, match=r"grad_checkpointing is on.*"
+                                         r"set_grad_checkpointing\(False\)"):  # fmt: skip
+        model(x)
+    model.set_grad_checkpointing(False)
+    F.cross_entropy(model(x), y).backward()
