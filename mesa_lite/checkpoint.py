@@ -17,6 +17,18 @@ as the layers; ``unwrap`` or a new ``wrap`` takes it off). Its forward goes thro
   parameters, which are inputs of the Function: their gradients flow through the outer graph
   (DDP's and FSDP's hooks and ``find_unused_parameters`` see them as in plain training).
 
+Forward hooks: outputs made inside a checkpointed module come from its forward without grad,
+so a hook that keeps one (transformers records ``output_attentions=True`` attention maps and
+Mixtral's ``output_router_logits=True`` router logits through forward hooks on submodules)
+would hand the caller a tensor with no graph, and a loss on it no gradient. Hooks on the
+unit itself see the Function's outputs, which carry the graph. When a forward hook of a
+module inside the unit, or a global one, would record in this call (mesa_lite's own hooks
+never; transformers' recorders only while the current forward collects their output; any
+other hook is assumed to), the call runs under ``torch.utils.checkpoint(use_reentrant=False)``
+instead, with a one-time warning: exact gradients for everything the hooks kept, the input
+kept uncompressed, the recompute without k/v caches and with the running statistics kept
+as the forward left them. Calls without such hooks stay compressed.
+
 Running statistics are updated once per step, by the forward, as in plain training: during
 the recompute the modules inside the unit that track them in training (BatchNorm of any
 dimension, ``SyncBatchNorm``, timm's ``BatchNormAct2d``, an ``InstanceNorm`` with
@@ -68,9 +80,11 @@ import dataclasses
 import fnmatch
 import functools
 import logging
+import sys
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from mesa_lite import quant
@@ -288,6 +302,30 @@ def _running_stats_frozen(module: nn.Module):
             m.track_running_stats = True
         for m, mean, var in buffers:
             m.running_mean, m.running_var = mean, var
+
+
+_RUNNING = ("running_mean", "running_var", "num_batches_tracked")
+
+
+@contextlib.contextmanager
+def _running_stats_restored(module: nn.Module):
+    """For a recompute that must save the very tensors its forward saved
+    (``torch.utils.checkpoint`` checks and matches them by count): the tracking modules run as
+    in the forward, updating copies of their running-statistic buffers, and get their own
+    buffers back after (the same tensor objects, untouched)."""
+    kept = []
+    try:
+        for m in module.modules():
+            if m.__dict__.get("track_running_stats") is True and m.training:
+                for name in _RUNNING:
+                    t = m._buffers.get(name)
+                    if t is not None:
+                        kept.append((m, name, t))
+                        m._buffers[name] = t.clone()
+        yield
+    finally:
+        for m, name, t in kept:
+            m._buffers[name] = t
 
 
 def _format(t: torch.Tensor):
@@ -588,6 +626,103 @@ def _check_other_checkpointing(module: nn.Module) -> None:
             )
 
 
+# ---- forward hooks inside a checkpointed module ------------------------------------------
+
+
+def _closure_value(fn, name: str):
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or not cells:
+        return None
+    try:
+        return dict(zip(code.co_freevars, (c.cell_contents for c in cells), strict=False)).get(name)
+    except ValueError:  # an empty cell
+        return None
+
+
+def _hook_records(hook) -> bool:
+    """Whether a forward hook may keep the outputs it sees: not mesa_lite's own (the memory
+    report's, the loss's); Hugging Face's output recorders (``output_attentions=True``,
+    ``output_router_logits=True``, installed once and left in place) only while this forward
+    collects their key; any other hook, as far as mesa_lite can tell, may."""
+    fn = getattr(hook, "func", hook)  # functools.partial
+    owner = getattr(fn, "__module__", None) or ""
+    if owner == "mesa_lite" or owner.startswith("mesa_lite."):
+        return False
+    if owner.startswith("transformers."):
+        collector = getattr(sys.modules.get(owner), "_active_collector", None)
+        if collector is not None and callable(getattr(collector, "get", None)):
+            active = collector.get()
+            if not active:
+                return False
+            key = _closure_value(fn, "key")
+            return key is None or key in active
+    return True
+
+
+def _hook_name(hook) -> str:
+    fn = getattr(hook, "func", hook)
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+def _recording_hooks(module: nn.Module) -> list[str]:
+    """The forward hooks that would record outputs made inside ``module`` in this call (its
+    own hooks see the Function's outputs, which carry the graph): global ones and those of the
+    modules inside it."""
+    found = [
+        f"global {_hook_name(h)}"
+        for h in torch.nn.modules.module._global_forward_hooks.values()
+        if _hook_records(h)
+    ]
+    if any(m._forward_hooks for m in module.modules() if m is not module):
+        for name, m in module.named_modules():
+            if m is not module:
+                found += [f"{name}: {_hook_name(h)}" for h in m._forward_hooks.values()
+                          if _hook_records(h)]  # fmt: skip
+    return found
+
+
+def _without_caches(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    leaves, spec = _flatten((args, kwargs))
+    return tree_unflatten([None if _is_cache(x) else x for x in leaves], spec)
+
+
+def _torch_checkpoint(module: nn.Module, run, hooks: list[str], args: tuple, kwargs: dict):
+    """This call under ``torch.utils.checkpoint(use_reentrant=False)``: the forward builds the
+    graph (the hooks record outputs that carry it) and keeps nothing; backward recomputes with
+    the same RNG and autocast states, without writing a k/v cache or running statistics again.
+    Exact; the input is not compressed."""
+    warn_once(
+        "checkpoint-hooks",
+        f"mesa_lite: forward hooks record outputs made inside checkpointed "
+        f"{type(module).__name__} ({hooks[0]}{' and more' if len(hooks) > 1 else ''}; in "
+        "Hugging Face models: output_attentions=True, output_router_logits=True): compressed "
+        "checkpointing would hand them outputs of a forward run without grad, so calls that "
+        "record run under torch.utils.checkpoint(use_reentrant=False) instead: exact "
+        "gradients, the block input kept uncompressed",
+    )
+    drop = bool(_cache_slots(module, _flatten((args, kwargs))[0]))
+    calls = []
+
+    def fn(*a, **kw):
+        if not calls:  # the forward
+            calls.append(None)
+            return run(*a, **kw)
+        if drop:
+            a, kw = _without_caches(a, kw)
+        with _running_stats_restored(module):
+            return run(*a, **kw)
+
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+@torch.compiler.disable
+def _dispatch(module: nn.Module, run, spec: QuantSpec, args: tuple, kwargs: dict):
+    hooks = _recording_hooks(module)
+    if hooks:
+        return _torch_checkpoint(module, run, hooks, args, kwargs)
+    return _call(module, run, spec, args, kwargs)
+
+
 class Checkpointed:
     """Mixin of a checkpointed module's class: its forward runs through ``CheckpointFn`` when
     training with grad (see the module docstring); ``_mesa_ckpt_spec`` holds the setting of
@@ -605,7 +740,7 @@ class Checkpointed:
             return run(*args, **kwargs)
         if _is_hf_layer(self):
             args, kwargs = _drop_cache(self, args, kwargs)
-        return _call(self, run, spec, args, kwargs)
+        return _dispatch(self, run, spec, args, kwargs)
 
 
 def apply(

@@ -226,6 +226,96 @@ def test_four_bit_checkpointing_with_dropout_against_plain(inner):
     assert medians["stochastic"] >= medians["nearest"] - 8.0, medians
 
 
+# ---- 6: outputs recorded by forward hooks inside a checkpointed module ----------------------
+
+
+def _counting_torch_checkpoint(monkeypatch) -> list:
+    """Counts the calls that fall back to torch.utils.checkpoint."""
+    calls, plain = [], torch.utils.checkpoint.checkpoint
+
+    def counting(*args, **kwargs):
+        calls.append(None)
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counting)
+    return calls
+
+
+@pytest.mark.parametrize("policy", ["blocks", "attention"])
+def test_attention_maps_recorded_inside_a_checkpointed_block_keep_their_graph(
+    policy, monkeypatch
+):
+    """``output_attentions=True``: transformers records the attention maps with forward hooks
+    on the attention modules. Inside a checkpointed block those calls run under
+    torch.utils.checkpoint (a one-time warning), so a loss on the maps gets plain training's
+    gradients (debug_exact: bit for bit; before: the maps came from the no-grad forward and
+    their loss had no gradient); with checkpoint="attention" the hook sits on the unit itself
+    and sees the Function's outputs. Without output_attentions the same model, its hooks still
+    installed, runs compressed checkpointing."""
+    plain = _lm("llama", attn="eager")
+    ids, mask = _ids(True)
+    model = mesa_lite.wrap(copy.deepcopy(plain), Config(checkpoint=policy, debug_exact=True))
+    calls = _counting_torch_checkpoint(monkeypatch)
+    grads = []
+    for m in (plain, model):
+        torch.manual_seed(5)
+        out = m(input_ids=ids, attention_mask=mask, labels=ids, output_attentions=True)
+        assert len(out.attentions) == 3
+        (out.loss + sum(a.square().sum() for a in out.attentions)).backward()
+        grads.append(_grads(m))
+    _assert_grads_equal(*grads)
+    assert len(calls) == (2 if policy == "blocks" else 0)
+    calls.clear()
+    plain.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    _, g0 = _lm_step(plain, ids, mask)
+    _, g1 = _lm_step(model, ids, mask)
+    _assert_grads_equal(g0, g1)
+    assert not calls, "compressed checkpointing not used once the hooks are off"
+
+
+@pytest.mark.parametrize("policy", ["blocks", "mlp"])
+def test_mixtral_router_logits_auxiliary_loss_exact(policy):
+    """``output_router_logits=True``: Mixtral's router logits, recorded by a hook on each
+    router inside the checkpointed block (or MoE MLP), carry their graph, so the auxiliary
+    load-balancing loss gives plain training's gradients (debug_exact, bit for bit)."""
+    plain = _lm("mixtral", attn="eager", num_local_experts=4, router_aux_loss_coef=1.0)
+    ids, mask = _ids(False)
+    model = mesa_lite.wrap(copy.deepcopy(plain), Config(checkpoint=policy, debug_exact=True))
+    outs, grads = [], []
+    for m in (plain, model):
+        out, g = _lm_step(m, ids, mask, output_router_logits=True)
+        outs.append(out)
+        grads.append(g)
+    assert torch.equal(outs[0].aux_loss, outs[1].aux_loss) and outs[0].aux_loss > 0
+    _assert_grads_equal(*grads)
+
+
+def test_user_hooks_inside_a_checkpointed_attention_with_the_cache():
+    """A user's forward hook keeping a projection's output inside a checkpointed attention
+    (with the k/v cache on): the call runs under torch.utils.checkpoint, its recompute
+    without the cache; a loss on the kept outputs gets plain's gradients and the cache holds
+    plain's keys and values."""
+    plain = _lm("llama")
+    ids, mask = _ids(True)
+    model = mesa_lite.wrap(copy.deepcopy(plain), Config(checkpoint="attention",
+                                                        debug_exact=True))  # fmt: skip
+    results = []
+    for m in (plain, model):
+        kept = []
+        handles = [layer.self_attn.q_proj.register_forward_hook(
+            lambda mod, args, out: kept.append(out)) for layer in m.model.layers]  # fmt: skip
+        torch.manual_seed(5)
+        out = m(input_ids=ids, attention_mask=mask, labels=ids)
+        (out.loss + sum(q.square().mean() for q in kept)).backward()
+        for h in handles:
+            h.remove()
+        results.append((out.past_key_values, _grads(m)))
+    _assert_grads_equal(results[0][1], results[1][1])
+    for a, b in zip(results[0][0].layers, results[1][0].layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 # ---- 8: running statistics -----------------------------------------------------------------
 
 
@@ -266,14 +356,17 @@ def test_running_statistics_updated_once_per_step():
     """A checkpointed block's BatchNorms (torch's and timm's) and tracking InstanceNorm update
     their running statistics in the forward only: after two SGD steps, running means,
     variances and num_batches_tracked equal plain training's, as do gradients (debug_exact)
-    and eval-mode outputs. Compressed (8 bits), the first step's statistics are plain's too
-    (the forward is exact)."""
+    and eval-mode outputs; likewise where a forward hook inside a block makes its calls fall
+    back to torch.utils.checkpoint. Compressed (8 bits), the first step's statistics are
+    plain's too (the forward is exact)."""
     x, y = _images()
     plain = _cnn()
-    for exact in (True, False):
+    for exact, hooked in ((True, False), (True, True), (False, False)):
         ref, model = copy.deepcopy(plain), mesa_lite.wrap(
             copy.deepcopy(plain), Config(checkpoint="blocks", debug_exact=exact))  # fmt: skip
         assert [isinstance(b, Checkpointed) for b in model[1:4]] == [True, True, False]
+        if hooked:
+            model[1].conv2.register_forward_hook(lambda m, args, out: None)
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
         for step in range(2 if exact else 1):
             grads = []
