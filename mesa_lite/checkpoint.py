@@ -17,6 +17,37 @@ as the layers; ``unwrap`` or a new ``wrap`` takes it off). Its forward goes thro
   parameters, which are inputs of the Function: their gradients flow through the outer graph
   (DDP's and FSDP's hooks and ``find_unused_parameters`` see them as in plain training).
 
+Inside the recompute the block's layers run exact (``checkpoint_inner="exact"``: ``wrap``
+leaves the layers inside checkpointed modules in their own class), exact but for the norms
+(``"norms"``, the default: a LayerNorm's fp32 input is the largest tensor a block keeps, and
+the compressed norm is nearly as fast), or compressed (``"compressed"``: the layers are
+wrapped as in the normal mode). Only one block's activations are alive at a time, during its
+backward.
+
+Other arguments (masks, rotary tables, a cross-attention input) are kept by reference as they
+are (they are shared by every block); those that need grad are inputs of the Function too
+(exact) so that their gradients flow.
+
+Random numbers: the recompute replays the RNG states recorded after the input's copy, so
+dropout and drop path draw the forward's masks. Stochastic rounding (4 and 2 bits) takes its
+seeds from mesa_lite's own counter and draws nothing from torch's generators
+(``kernels/group_quant``), so the norms or layers compressed inside the recompute do not move
+those masks, and the forward's masks are plain training's.
+
+k/v caches: the recompute never writes a cache. A Hugging Face ``GradientCheckpointingLayer``
+(``checkpoint="blocks"`` on a decoder) drops its k/v cache arguments and ``use_cache`` as
+Hugging Face's own checkpointing does (a one-time warning; the model returns no filled cache
+for those layers). Any other checkpointed module given a cache (``checkpoint="attention"``:
+Hugging Face passes ``past_key_values`` to each attention, ``use_cache=True`` being the
+default in training too) writes it in its forward as usual, and its recompute runs with the
+cache arguments replaced by None. That is exact when the cache held nothing for the module's
+layers (its ``layer_idx``, and those of modules inside it) before the forward, which is
+checked at forward time: a cache holding tokens, a static cache, or a module with no
+``layer_idx`` is refused with a ValueError that says to pass ``use_cache=False``. The cache
+the forward fills holds the same keys and values as in plain training, computed without grad.
+Caches are kept whole through the argument flattening (not rebuilt if exporting code made
+them pytree nodes).
+
 Forward hooks: outputs made inside a checkpointed module come from its forward without grad,
 so a hook that keeps one (transformers records ``output_attentions=True`` attention maps and
 Mixtral's ``output_router_logits=True`` router logits through forward hooks on submodules)
@@ -33,33 +64,9 @@ Running statistics are updated once per step, by the forward, as in plain traini
 the recompute the modules inside the unit that track them in training (BatchNorm of any
 dimension, ``SyncBatchNorm``, timm's ``BatchNormAct2d``, an ``InstanceNorm`` with
 ``track_running_stats=True``) run with ``track_running_stats = False`` (still normalizing
-with the batch's statistics), and are put back after, also on an error. Other state a
+with the batch's statistics; an InstanceNorm's buffers are set aside too, as it passes them
+whatever the flag says), and are put back after, also on an error. Other state a
 module changes in its forward (a custom moving average, a counter) is changed twice.
-
-Inside the recompute the block's layers run exact (``checkpoint_inner="exact"``: ``wrap``
-leaves the layers inside checkpointed modules in their own class), exact but for the norms
-(``"norms"``, the default: a LayerNorm's fp32 input is the largest tensor a block keeps, and
-the compressed norm is nearly as fast), or compressed (``"compressed"``: the layers are
-wrapped as in the normal mode). Only one block's activations are alive at a time, during its
-backward.
-
-Other arguments (masks, rotary tables, a cross-attention input) are kept by reference as they
-are (they are shared by every block); those that need grad are inputs of the Function too
-(exact) so that their gradients flow.
-
-k/v caches: the recompute never writes a cache. A Hugging Face ``GradientCheckpointingLayer``
-(``checkpoint="blocks"`` on a decoder) drops its k/v cache arguments and ``use_cache`` as
-Hugging Face's own checkpointing does (a one-time warning; the model returns no filled cache
-for those layers). Any other checkpointed module given a cache (``checkpoint="attention"``:
-Hugging Face passes ``past_key_values`` to each attention, ``use_cache=True`` being the
-default in training too) writes it in its forward as usual, and its recompute runs with the
-cache arguments replaced by None. That is exact when the cache held nothing for the module's
-layers (its ``layer_idx``, and those of modules inside it) before the forward, which is
-checked at forward time: a cache holding tokens, a static cache, or a module with no
-``layer_idx`` is refused with a ValueError that says to pass ``use_cache=False``. The cache
-the forward fills holds the same keys and values as in plain training, computed without grad.
-Caches are kept whole through the argument flattening (not rebuilt if exporting code made
-them pytree nodes).
 
 A model's own activation checkpointing turned on after ``wrap`` (Hugging Face's
 ``gradient_checkpointing_enable()``, timm's ``set_grad_checkpointing()``) would recompute

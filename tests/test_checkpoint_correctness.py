@@ -242,9 +242,7 @@ def _counting_torch_checkpoint(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("policy", ["blocks", "attention"])
-def test_attention_maps_recorded_inside_a_checkpointed_block_keep_their_graph(
-    policy, monkeypatch
-):
+def test_attention_maps_recorded_inside_a_checkpointed_block_keep_their_graph(policy, monkeypatch):
     """``output_attentions=True``: transformers records the attention maps with forward hooks
     on the attention modules. Inside a checkpointed block those calls run under
     torch.utils.checkpoint (a one-time warning), so a loss on the maps gets plain training's
@@ -303,8 +301,11 @@ def test_user_hooks_inside_a_checkpointed_attention_with_the_cache():
     results = []
     for m in (plain, model):
         kept = []
-        handles = [layer.self_attn.q_proj.register_forward_hook(
-            lambda mod, args, out: kept.append(out)) for layer in m.model.layers]  # fmt: skip
+
+        def keep(mod, args, out, kept=kept):
+            kept.append(out)
+
+        handles = [layer.self_attn.q_proj.register_forward_hook(keep) for layer in m.model.layers]
         torch.manual_seed(5)
         out = m(input_ids=ids, attention_mask=mask, labels=ids)
         (out.loss + sum(q.square().mean() for q in kept)).backward()
