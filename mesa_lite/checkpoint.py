@@ -350,8 +350,12 @@ def _differentiable(t) -> bool:
 def _release(out: torch.Tensor, taken: set[int]) -> None:
     """Frees a recomputed output's memory before its backward runs, where nothing can need
     it: an output made by an out-of-place add (the residual add that ends a block; the add
-    keeps nothing for backward, and nothing inside the block ran after it), or a view of one.
+    keeps nothing for backward, and nothing inside the block ran after it), or a view of one;
+    only for a module with one output (with several, one may have been saved to make another:
+    ``res = res + h; return norm(res), res``).
     Only the graph behind it is used, and one block's output less is alive at the peak."""
+    if out is None:
+        return
     base = out if out._base is None else out._base
     fn = base.grad_fn
     if base._base is not None or fn is None or fn.name() != "AddBackward0":
@@ -417,8 +421,8 @@ class CheckpointFn(torch.autograd.Function):
                 gouts.append(g)
         del flat
         taken = {t.untyped_storage().data_ptr() for t in inputs}
-        for o in outs:
-            _release(o, taken)
+        if len(state.out_slots) == 1:  # with several outputs, one may be saved to make another
+            _release(outs[0] if outs else None, taken)
         params = state.params
         if params:  # the tensors the recompute used (FSDP2 may gather into new ones)
             now = tuple(p for p in state.module.parameters() if p.requires_grad)

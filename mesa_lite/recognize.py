@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 from collections.abc import Callable
 
@@ -156,6 +157,18 @@ def _where(w: torch.Tensor, g: torch.Tensor) -> str:
     return ""
 
 
+def _conditions(module: nn.Module, width: int, dtypes) -> list[tuple[str, torch.Tensor, bool]]:
+    """``(label, input, under autocast)``: each probe input without autocast, and where the
+    module has fp32 parameters the fp32 input under bf16 autocast too (mixed-precision
+    training: a forward that upcasts an activation itself computes otherwise there)."""
+    base = _inputs(width, dtypes)
+    out = [(label, x, False) for label, x in base]
+    if any(p.dtype == torch.float32 for p in module.parameters()):
+        amp = [(f"{label} under bf16 autocast", x, True) for label, x in base]
+        out += [c for c in amp if "float32" in c[0]]
+    return out
+
+
 def prove(
     module: nn.Module,
     want: Callable[[torch.Tensor], torch.Tensor],
@@ -164,20 +177,22 @@ def prove(
     dtypes,
 ) -> str | None:
     """Whether ``got(x)`` computes ``want(x)`` for ``module``: None when, for probe inputs of
-    ``width`` features in each of ``dtypes`` at each magnitude, both give the same output bit
-    for bit and leave the CPU RNG in the same state from the same start, with ``module`` in
-    training mode on random parameters (see the module docstring); else why not.
+    ``width`` features in each of ``dtypes`` at each magnitude (and under bf16 autocast where
+    the module has fp32 parameters), both give the same output bit for bit and leave the CPU
+    RNG in the same state from the same start, with ``module`` in training mode on random
+    parameters (see the module docstring); else why not.
 
     ``want`` and ``got`` read the module's parameters when called (the probe's are in place).
     """
     try:
         with _probing(module):
-            for label, x in _inputs(width, dtypes):
-                torch.set_rng_state(_PROBE_RNG)
-                w = want(x)
-                after_want = torch.get_rng_state()
-                torch.set_rng_state(_PROBE_RNG)
-                g = got(x)
+            for label, x, amp in _conditions(module, width, dtypes):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    torch.set_rng_state(_PROBE_RNG)
+                    w = want(x)
+                    after_want = torch.get_rng_state()
+                    torch.set_rng_state(_PROBE_RNG)
+                    g = got(x)
                 if not torch.equal(after_want, torch.get_rng_state()):
                     return "draws random numbers in training (dropout) that the fused path does not"
                 if not _same(w, g):
@@ -239,7 +254,21 @@ def _rms_candidate(module: nn.Module) -> bool:
         return False
     weight = getattr(module, "weight", None)
     ok = isinstance(weight, torch.Tensor) and weight.dim() == 1
-    return ok and isinstance(rms_eps(module), float) and len(list(module.children())) == 0
+    ok = ok and isinstance(rms_eps(module), float) and len(list(module.children())) == 0
+    return ok and _takes_one_tensor(type(module).forward)
+
+
+def _takes_one_tensor(forward) -> bool:
+    """A forward of one argument besides ``self`` (``modules.RMSNorm`` takes no other: a norm
+    with an optional residual argument would fail when called with it)."""
+    try:
+        params = list(inspect.signature(forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].kind in (
+        inspect.Parameter.POSITIONAL_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    )
 
 
 def rms_norm_refusal(module: nn.Module) -> str | None:
@@ -301,6 +330,12 @@ def _is_activation(m: nn.Module) -> bool:
     return isinstance(m, (Activation, GELU))
 
 
+def _own_tensors(m: nn.Module) -> bool:
+    """Parameters or buffers of the module itself, not of its children."""
+    own = itertools.chain(m.parameters(recurse=False), m.buffers(recurse=False))
+    return next(own, None) is not None
+
+
 def _has_params(m: nn.Module) -> bool:
     return next(m.parameters(), None) is not None
 
@@ -333,7 +368,7 @@ _ACT_FUNCTIONS = {
 def _gated_candidate(module: nn.Module):
     """(projection names, activation child name or None) of a module made of three linear
     projections, at most one activation child and parameter-free children; else None."""
-    if isinstance(module, (FusedBlock, MesaModule)):
+    if isinstance(module, (FusedBlock, MesaModule)) or _own_tensors(module):
         return None
     kids = dict(module.named_children())
     projs = [n for n, m in kids.items() if type(m) is nn.Linear or isinstance(m, Linear)]
@@ -474,6 +509,8 @@ def _mlp_candidate(module: nn.Module):
     kids = dict(module.named_children())
     if len(kids) not in (3, 4) or isinstance(module, (FusedBlock, MesaModule)):
         return None
+    if _own_tensors(module):  # a layer scale or bias of its own: a step the fused path lacks
+        return None
     projs = [n for n, m in kids.items() if _is_projection(m)]
     acts = [n for n, m in kids.items() if _is_activation(m)]
     drops = [n for n, m in kids.items() if isinstance(m, nn.Dropout)]
@@ -499,17 +536,10 @@ def mlp_chain(module: nn.Module) -> tuple | str | None:
         try:
             with _probing(module):
                 with _recording(kids) as calls:
-                    torch.set_rng_state(_PROBE_RNG)
                     out = type(module).forward(module, x)
-                    after = torch.get_rng_state()
-                names = tuple(name for name, _, _ in calls)
-                torch.set_rng_state(_PROBE_RNG)
-                given = x
-                for name in names:
-                    given = kids[name](given)
-                same_draws = torch.equal(after, torch.get_rng_state())
         except Exception:  # noqa: BLE001 - a forward that fails on a probe is not this MLP
             return None
+        names = tuple(name for name, _, _ in calls)
         # not this data flow: not a candidate after all (nothing to report)
         if len(names) != len(kids) or len(set(names)) != len(names):
             return None
@@ -522,9 +552,17 @@ def mlp_chain(module: nn.Module) -> tuple | str | None:
             given = result
         if out is not given:
             return "its output is not its last layer's (a step after it, such as F.dropout)"
-        if not same_draws:
-            return "draws random numbers in training (dropout) that the fused path does not"
-        return names
+
+        def chain(t):
+            for name in names:
+                t = kids[name](t)
+            return t
+
+        # the same values and draws as the chain alone (an in-place op on a layer's output
+        # keeps the objects above but changes the values), also under autocast
+        why = prove(module, lambda t: type(module).forward(module, t), chain, _in_width(first),
+                    (first.weight.dtype,))  # fmt: skip
+        return names if why is None else why
 
     return _cached("mlp", module, run)
 

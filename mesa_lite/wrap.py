@@ -134,10 +134,11 @@ def _fused_class(module: nn.Module) -> type | str | None:
     return None
 
 
-def _fuse_blocks(model: nn.Module) -> Counter[tuple[str, str]]:
+def _fuse_blocks(model: nn.Module) -> tuple[Counter[str], Counter[tuple[str, str]]]:
     """Converts the registered and recognised blocks of ``model`` that hold a converted layer
-    (unfused first, so that wrapping again starts afresh); returns the candidates refused,
-    ``(class name, why)`` -> count."""
+    (unfused first, so that wrapping again starts afresh); returns the blocks fused by proof
+    (class name -> count) and the candidates refused (``(class name, why)`` -> count)."""
+    fused_by_proof: Counter[str] = Counter()
     refused: Counter[tuple[str, str]] = Counter()
     for module in model.modules():
         if isinstance(module, FusedBlock):
@@ -148,8 +149,10 @@ def _fuse_blocks(model: nn.Module) -> Counter[tuple[str, str]]:
         if isinstance(fused, str):
             refused[(type(module).__name__, fused)] += 1
         elif fused is not None:
+            if base_type(module) not in _BLOCKS:
+                fused_by_proof[f"{type(module).__name__} as {fused.__name__}"] += 1
             fused.fuse(module)
-    return refused
+    return fused_by_proof, refused
 
 
 def wrapped_modules(model: nn.Module) -> dict[str, MesaModule]:
@@ -350,7 +353,7 @@ def _wrap(model, config, filter_fn):
             f"(supported: {_supported_names()}); it is returned unchanged",
             stacklevel=2,
         )
-    not_fused = _fuse_blocks(model)
+    by_proof, not_fused = _fuse_blocks(model)
     _ckpt.apply(units, config.checkpoint_spec(), model)
     losses, losses_exact = _transformers.after_wrap(model, config, user_filter)
     for spec in losses:
@@ -361,6 +364,8 @@ def _wrap(model, config, filter_fn):
     line = _summary(
         type(model).__name__, converted, specs, exact, skipped, built, (before, changed, back)
     )
+    if by_proof:
+        line += "; fused by proof " + ", ".join(f"{t} x{c}" for t, c in by_proof.most_common())
     if not_fused:
         parts = [f"{t} x{c} ({why})" for (t, why), c in not_fused.most_common()]
         line += f"; not fused (their layers run one by one) {sum(not_fused.values())}: "

@@ -163,7 +163,9 @@ def test_sdpa_math_backend_runs_plain(device):
         pytest.skip("CPU backend selection")
     (q, k, v), _ = _qkv(device, strided=False)
     mesa_lite.ops.common._WARNED.clear()
-    with pytest.warns(UserWarning, match="dropout .*math path on the CPU.* on cpu is not compressed"):
+    with pytest.warns(
+        UserWarning, match="dropout .*math path on the CPU.* on cpu is not compressed"
+    ):
         torch.manual_seed(0)
         out = mesa_sdpa(q, k, v, dropout_p=0.5, spec=QuantSpec())
     torch.manual_seed(0)

@@ -8,8 +8,9 @@ import copy
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
-from conftest import sqnr_db
+from conftest import assert_equal, sqnr_db
 
 import mesa_lite
 from mesa_lite import Config
@@ -423,3 +424,44 @@ def test_timm_checkpointing_turned_on_after_wrap_is_refused():
         model(x)
     model.set_grad_checkpointing(False)
     F.cross_entropy(model(x), y).backward()
+
+
+# ---- found by review: a unit with several outputs ----------------------------------------------
+
+
+class _AddNormBlock(nn.Module):
+    """Ends like a fused add-norm: returns the residual sum and its norm; the sum is saved by
+    the norm, so the recompute must not free it."""
+
+    def __init__(self, w=16):
+        super().__init__()
+        self.ln, self.fc, self.ln2 = nn.LayerNorm(w), nn.Linear(w, w), nn.LayerNorm(w)
+
+    def forward(self, x, res):
+        res = res + self.fc(self.ln(x))
+        return self.ln2(res), res
+
+
+class _AddNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_AddNormBlock() for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        res = torch.zeros_like(x)
+        for b in self.blocks:
+            x, res = b(x, res)
+        return self.head(x + res).sum()
+
+
+def test_unit_with_several_outputs_keeps_what_its_backward_needs():
+    torch.manual_seed(0)
+    plain = _AddNormNet()
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), Config(debug_exact=True,
+                             checkpoint=["blocks.0", "blocks.1"]))  # fmt: skip
+    x = torch.randn(2, 5, 16)
+    plain(x).backward()
+    wrapped(x).backward()
+    for (n, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
+        assert_equal(q.grad, p.grad, f"grad of {n}")

@@ -374,3 +374,76 @@ def test_wrap_again_after_resize_token_embeddings_converts_the_new_head():
     mesa_lite.wrap(model)
     assert isinstance(model.lm_head, mesa_lite.modules.Linear)
     assert model.lm_head.weight.shape[0] == 80
+
+
+# ---- found by review: in-place steps, autocast, extra arguments --------------------------------
+
+
+class InPlaceScale(nn.Module):
+    """A layer scale applied in place to the last projection's output (its own Parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 40), nn.GELU(), nn.Linear(40, 16)
+        self.gamma = nn.Parameter(torch.full((16,), 0.5))
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x))).mul_(self.gamma)
+
+
+class InPlaceClamp(nn.Module):
+    """An in-place clamp between the activation and the second projection: the same objects
+    flow from layer to layer, with other values."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 40), nn.GELU(), nn.Linear(40, 16)
+
+    def forward(self, x):
+        h = self.act(self.fc1(x))
+        h.clamp_(max=0.5)
+        return self.fc2(h)
+
+
+class UpcastGated(Gated):
+    """The activation computed in fp32 by the forward itself: equal to the plain formula in
+    fp32, not under bf16 autocast."""
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x).float()).to(x.dtype) * self.up_proj(x))
+
+
+@pytest.mark.parametrize("mlp", [InPlaceScale, InPlaceClamp], ids=lambda c: c.__name__)
+def test_mlp_with_an_in_place_step_is_not_fused(mlp):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.LayerNorm(16), mlp())
+    wrapped = _same_as_plain(plain, torch.randn(3, 9, 16) * 2)
+    assert not isinstance(wrapped[1], Mlp)
+
+
+def test_gated_mlp_that_upcasts_is_not_fused_and_exact_under_autocast():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), UpcastGated())
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain))
+    assert not isinstance(wrapped[1], GatedMlp)
+    x = torch.randn(3, 9, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert_equal(wrapped(x), plain(x), "forward under bf16 autocast")
+
+
+class ResidualRMSNorm(HFStyleRMSNorm):
+    def forward(self, x, residual=None):
+        return super().forward(x if residual is None else x + residual)
+
+
+def test_rms_norm_with_another_argument_is_not_converted():
+    net = mesa_lite.wrap(nn.Sequential(nn.Linear(8, 8), ResidualRMSNorm(8)))
+    assert type(net[1]) is ResidualRMSNorm
+    x = torch.randn(2, 8)
+    net[1](x, residual=x)  # still callable with it
+
+
+def test_summary_names_blocks_fused_by_proof(caplog):
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        mesa_lite.wrap(nn.Sequential(HFStyleRMSNorm(16), TitanFeedForward()))
+    assert "fused by proof TitanFeedForward as GatedMlp x1" in caplog.text
