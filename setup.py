@@ -58,6 +58,7 @@ setup(
                 for name in (
                     "ablate",
                     "accuracy",
+                    "compile_speed",
                     "coverage",
                     "deit_memory",
                     "grad_fidelity",

@@ -146,7 +146,11 @@ def quantize(
         if normalize is not None:
             raise ValueError("quant.quantize: normalize needs a compressed spec")
         return Packed(x, None, x.shape, x.dtype, spec, signed)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and COMPILE_FORM == "decomposed" and not spec.stochastic:
+        codes, scales = group_quant.quantize_ref(
+            x, spec.group_size, signed, False, spec.bits, normalize
+        )
+    elif torch.compiler.is_compiling():
         mean, rstd = (None, None) if normalize is None else normalize
         codes, scales = torch.ops.mesa_lite.quantize(
             x, spec.group_size, signed, spec.stochastic, spec.bits, mean, rstd
@@ -163,6 +167,10 @@ def stored(p: Packed, dtype: torch.dtype, epilogue: tuple | None = None) -> torc
     if p.spec.exact:
         return p.codes.to(dtype)
     numel = _prod(p.shape)
+    if torch.compiler.is_compiling() and COMPILE_FORM == "decomposed":
+        return group_quant.dequantize_ref(
+            p.codes, p.scales, p.spec.group_size, dtype, p.spec.bits, p.signed, numel, epilogue
+        )
     if torch.compiler.is_compiling():
         kind, approximate, t1, t2, mid = _epilogue_op_args(epilogue, dtype)
         return torch.ops.mesa_lite.dequantize(
@@ -260,6 +268,13 @@ def _dequantize(codes, scales, group_size: int, dtype, bits: int, signed: bool, 
         signed=signed, numel=numel, epilogue=epilogue,
     )  # fmt: skip
 
+
+# The form quantize and dequantize take under torch.compile (read while tracing):
+# "custom_op": the Triton kernels as the opaque custom ops below; "decomposed": the PyTorch
+# references (group absmax, scale, round, clamp, cast; dequantize as multiply and cast), which
+# Inductor lowers and can fuse with the ops that produce and consume the activation.
+# Stochastic rounding always takes the custom op (its seed is drawn on the host per call).
+COMPILE_FORM = "custom_op"
 
 # Under torch.compile the two kernels are custom ops (their annotations use typing.Optional,
 # which every torch version's schema inference reads): Dynamo records them as single calls

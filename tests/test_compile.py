@@ -231,3 +231,24 @@ def test_compiled_gpt2_with_dropout_on_the_cpu():
     losses[2].backward()
     for (n, p), q in zip(eager.named_parameters(), compiled_src.parameters(), strict=True):
         assert sqnr_db(p.grad, q.grad) >= 30, (n, sqnr_db(p.grad, q.grad))
+
+
+def test_decomposed_quantization_traces_and_matches_eager(monkeypatch):
+    """``quant.COMPILE_FORM = "decomposed"``: quantize and dequantize trace as PyTorch ops (the
+    kernels' references) that Inductor may fuse; one graph, and the ViT's gradients equal
+    eager mode's bit for bit (at nearest rounding the reference's codes are the kernel's)."""
+    monkeypatch.setattr(quant, "COMPILE_FORM", "decomposed")
+    torch._dynamo.reset()
+    eager = mesa_lite.wrap(MODELS["vit-fused"]())
+    compiled_src = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_src, backend="aot_eager", fullgraph=True)
+    x, y = _batch("vit-fused")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_e = F.cross_entropy(eager(x), y)
+        loss_c = F.cross_entropy(compiled(x), y)
+    assert_equal(loss_c, loss_e, "loss")
+    loss_e.backward()
+    loss_c.backward()
+    for (n, p), q in zip(eager.named_parameters(), compiled_src.parameters(), strict=True):
+        assert_equal(q.grad, p.grad, n)
+    torch._dynamo.reset()  # the traced form is guarded on COMPILE_FORM: start the next afresh
