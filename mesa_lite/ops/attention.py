@@ -62,10 +62,11 @@ def sdpa_backend(q, k, v, dropout_p: float, is_causal: bool, scale, mask=None,
     """The fused backend ``F.scaled_dot_product_attention`` runs for these inputs, -1 for its
     math path or an error.
 
-    Under torch.compile, where ``_fused_sdp_choice`` cannot be traced, from the checks Dynamo
-    folds into constants, which honour the backends the user enabled (``sdpa_kernel``): flash
-    attention on the CPU; on CUDA flash attention, else the memory-efficient kernel (eager
-    mode may pick cuDNN where both are possible)."""
+    Under torch.compile, where ``_fused_sdp_choice`` cannot be traced, the choice is made once
+    while tracing, on empty tensors of the same layout (``assume_constant_result``), honouring
+    the backends the user enabled (``sdpa_kernel``): on the CPU PyTorch's own choice; on CUDA
+    flash attention, else the memory-efficient kernel (eager mode may pick cuDNN where both
+    are possible)."""
     if not torch.compiler.is_compiling():
         try:
             return int(
@@ -75,26 +76,32 @@ def sdpa_backend(q, k, v, dropout_p: float, is_causal: bool, scale, mask=None,
             )
         except RuntimeError:
             return -1
-    if q.device.type == "cpu":
-        return SDPA_FLASH if _cpu_flash_ok(q, k, v, dropout_p) else -1
     layout = tuple((tuple(t.shape), tuple(t.stride())) for t in (q, k, v))
     m = None if mask is None else (tuple(mask.shape), tuple(mask.stride()), mask.dtype)
     flags = (float(dropout_p), bool(is_causal), bool(enable_gqa))
+    if q.device.type == "cpu":
+        return _cpu_backend_constant(layout, q.dtype, m, *flags, scale, sdpa_backends_enabled())
     return _cuda_backend_constant(layout, q.dtype, q.device.index, m, *flags,
                                   sdpa_backends_enabled())  # fmt: skip
 
 
-def _cpu_flash_ok(q, k, v, dropout_p: float) -> bool:
-    """ATen's checks for CPU flash attention (``use_flash_attention_cpp``) that decide between
-    it and the math path: enabled, no dropout, 4-D inputs of one head size, none empty, unit
-    stride in the last dim."""
-    if not torch._C._get_flash_sdp_enabled() or dropout_p > 0:
-        return False
-    if not (q.dim() == k.dim() == v.dim() == 4) or not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
-        return False
-    if q.shape[-2] == 0 or k.shape[-2] == 0:
-        return False
-    return q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+def _empty_like_layout(layout, dtype, device):
+    return (torch.empty_strided(sh, st, dtype=dtype, device=device) for sh, st in layout)
+
+
+@torch.compiler.assume_constant_result
+def _cpu_backend_constant(layout, dtype, mask, dropout_p, is_causal, enable_gqa, scale,
+                          enabled) -> int:  # fmt: skip
+    """PyTorch's own CPU choice (``_fused_sdp_choice``) for tensors of ``layout``, made once
+    while torch.compile traces, on empty tensors of the same layout: the same as eager mode's
+    on every torch version (whether CPU flash attention takes dropout has changed)."""
+    q, k, v = _empty_like_layout(layout, dtype, "cpu")
+    bias = None if mask is None else torch.empty_strided(mask[0], mask[1], dtype=mask[2])
+    try:
+        return int(torch._fused_sdp_choice(q, k, v, bias, dropout_p, is_causal, scale=scale,
+                                           enable_gqa=enable_gqa))  # fmt: skip
+    except RuntimeError:
+        return -1
 
 
 @torch.compiler.assume_constant_result
@@ -105,7 +112,7 @@ def _cuda_backend_constant(layout, dtype, index, mask, dropout_p, is_causal, ena
     same layout (Dynamo cannot trace ``SDPAParams`` on every torch version). ``enabled``, the
     backends the user enabled, is an argument so that a change of it is a new constant."""
     device = torch.device("cuda", index)
-    q, k, v = (torch.empty_strided(s, st, dtype=dtype, device=device) for s, st in layout)
+    q, k, v = _empty_like_layout(layout, dtype, device)
     bias = None
     if mask is not None:
         bias = torch.empty_strided(mask[0], mask[1], dtype=mask[2], device=device)
