@@ -230,13 +230,19 @@ def _new_converted(*classes: type) -> nn.Module:
 
 def _set_class(module: nn.Module, cls: type) -> None:
     """``module.__class__ = cls``, over a parametrization class if the module has one: a new
-    ``Parametrized<cls>`` holding the same parametrized properties (as torch builds one)."""
+    ``Parametrized<cls>`` holding the same parametrized properties (as torch builds one).
+
+    The parametrization class's ``forward`` is not carried over: torch never defines one
+    there, and one that is there was put by a base class's ``__init_subclass__`` (Hugging
+    Face's ``GradientCheckpointingLayer`` wraps each subclass's forward since transformers
+    5.23) around the old class's forward, and would hide ``cls``'s."""
     current = type(module)
     base = base_type(module)
     if base is current:
         module.__class__ = cls
         return
-    attrs = {k: v for k, v in vars(current).items() if k not in ("__dict__", "__weakref__")}
+    skip = ("__dict__", "__weakref__", "forward")
+    attrs = {k: v for k, v in vars(current).items() if k not in skip}
     module.__class__ = type(f"Parametrized{cls.__name__}", (cls,), attrs)
 
 

@@ -6,13 +6,16 @@ pickling, re-wrap, Hugging Face layers, convolutional blocks in channels_last).
 DDP and FSDP2 are in ``test_distributed.py``."""
 
 import copy
+import functools
 import pickle
 import statistics
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from conftest import DEVICES, saved_activation_bytes, sqnr_db
+from torch.nn.utils import parametrize
 
 import mesa_lite
 from mesa_lite import Config
@@ -404,6 +407,73 @@ def test_hugging_face_layers(family):
     plain.gradient_checkpointing_enable()
     with pytest.raises(ValueError, match="gradient_checkpointing_disable"):
         mesa_lite.wrap(plain, Config(checkpoint="blocks"))
+
+
+class _WrapsForward(nn.Module):
+    """A base class wrapping each subclass's forward in ``__init_subclass__``, as Hugging
+    Face's ``GradientCheckpointingLayer`` does since transformers 5.23."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        inner = cls.forward
+
+        @functools.wraps(inner)
+        def forward(self, *args, **kwargs):
+            return inner(self, *args, **kwargs)
+
+        cls.forward = forward
+
+
+def _scaled_block(base: type) -> type:
+    class Block(base):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+            self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+
+        def forward(self, x):
+            return x + self.fc(self.norm(x)) * self.scale
+
+    return Block
+
+
+class _Double(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+@pytest.mark.parametrize("base", ["wraps_forward", "hugging_face"])
+def test_parametrized_block_with_subclass_hook_is_checkpointed(base):
+    """A block whose own parameter is parametrized, of a class whose base wraps each
+    subclass's forward (transformers 5.23's ``GradientCheckpointingLayer``): the forward
+    of the parametrization class torch built is not carried onto the checkpointed class,
+    so the block runs through ``CheckpointFn`` (it did not: checkpointing was silently
+    off) with the plain block's gradients in ``debug_exact``; unwrap restores it."""
+    if base == "hugging_face":
+        pytest.importorskip("transformers")
+        from transformers.modeling_layers import GradientCheckpointingLayer as cls
+    else:
+        cls = _WrapsForward
+    torch.manual_seed(0)
+    plain = nn.Sequential(*(_scaled_block(cls)() for _ in range(2)))
+    for block in plain:
+        parametrize.register_parametrization(block, "scale", _Double())
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain),
+                             Config(checkpoint=["0", "1"], debug_exact=True))  # fmt: skip
+    assert all(isinstance(b, Checkpointed) and parametrize.is_parametrized(b) for b in wrapped)
+    x = torch.randn(2, 3, 16)
+    outs, grads = [], []
+    for model in (plain, wrapped):
+        out = model(x)
+        out.square().sum().backward()
+        outs.append(out)
+        grads.append([p.grad for p in model.parameters()])
+    assert "CheckpointFn" in type(outs[1].grad_fn).__name__
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    mesa_lite.unwrap(wrapped)
+    assert all(type(b) is type(p) for b, p in zip(wrapped, plain, strict=True))
 
 
 class _nothing:
