@@ -14,6 +14,14 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+try:  # property tests draw the same examples on every run: CI must not fail one run in fifty
+    from hypothesis import settings
+
+    settings.register_profile("mesa_lite", derandomize=True)
+    settings.load_profile("mesa_lite")
+except ImportError:  # pragma: no cover - hypothesis is a test dependency
+    pass
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
