@@ -494,14 +494,6 @@ def _gated_parts(m: nn.Module):
     return (*layers[:3], fn, grad_fn, spec)
 
 
-def _match_gated(module: nn.Module):
-    found = gated_mlp(module)
-    if isinstance(found, tuple):
-        module.__dict__["_mesa_gated"] = found
-        return GatedMlp
-    return found
-
-
 # ---- two-projection MLP (GPT-2's) ----------------------------------------------------------
 
 
@@ -621,15 +613,36 @@ def _mlp_parts(m: nn.Module):
     return p1, act, p2, p, spec
 
 
-def _match_mlp(module: nn.Module):
-    found = mlp_chain(module)
-    if isinstance(found, tuple):
-        module.__dict__["_mesa_mlp_chain"] = found
-        return Mlp
-    return found
+def fused_layers_converted(module: nn.Module) -> bool:
+    """Whether the projections of a block recognised by proof are converted (so that it runs
+    as its block Function in training), not left exact by the configuration."""
+    gated = module.__dict__.get("_mesa_gated")
+    chain = module.__dict__.get("_mesa_mlp_chain")
+    if gated is not None:
+        projections = gated[:3]  # (gate, up, down, act)
+    elif chain is not None:
+        projections = (chain[0], chain[2])  # (proj1, act, proj2[, dropout])
+    else:
+        return False
+    return all(isinstance(getattr(module, n), MesaModule) for n in projections)
+
+
+def _matcher(find: Callable, key: str, cls: type) -> Callable[[nn.Module], type | str | None]:
+    """``module -> cls`` with what ``find`` proved recorded under ``key`` on the module, the
+    reason ``find`` gave, or None."""
+
+    def match(module: nn.Module):
+        found = find(module)
+        if isinstance(found, tuple):
+            module.__dict__[key] = found
+            return cls
+        return found
+
+    return match
 
 
 def block_matchers() -> list[Callable[[nn.Module], type | str | None]]:
     """``module -> FusedBlock class`` (recognised; its roles recorded on the module), a reason
     (a candidate refused), or None (not a candidate), for ``wrap``'s block pass."""
-    return [_match_gated, _match_mlp]
+    return [_matcher(gated_mlp, "_mesa_gated", GatedMlp),
+            _matcher(mlp_chain, "_mesa_mlp_chain", Mlp)]  # fmt: skip

@@ -149,9 +149,10 @@ def _fuse_blocks(model: nn.Module) -> tuple[Counter[str], Counter[tuple[str, str
         if isinstance(fused, str):
             refused[(type(module).__name__, fused)] += 1
         elif fused is not None:
-            if base_type(module) not in _BLOCKS:
-                fused_by_proof[f"{type(module).__name__} as {fused.__name__}"] += 1
+            name = f"{type(module).__name__} as {fused.__name__}"
             fused.fuse(module)
+            if base_type(module) not in _BLOCKS and recognize.fused_layers_converted(module):
+                fused_by_proof[name] += 1
     return fused_by_proof, refused
 
 

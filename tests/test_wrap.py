@@ -258,7 +258,8 @@ def test_subclass_keeping_forward_is_converted(exact, caplog):
     assert record.levelno == logging.INFO
     setting = "exact (debug, no compression)" if exact else "int8 g128 nearest"
     assert record.getMessage() == (
-        f"mesa_lite.wrap: converted 3 modules of Sequential (linear 2, gelu 1) at {setting}"
+        f"mesa_lite.wrap: converted 3 modules of Sequential (linear 2, gelu 1) at {setting}; "
+        "fused by proof Sequential as Mlp x1"
     )
     x = torch.randn(8, 32)
     y_ref, g_ref = _grads(plain, x)
