@@ -280,6 +280,14 @@ def _replay(state: _Call):
         yield
 
 
+def _tracking(module: nn.Module) -> list[nn.Module]:
+    """The modules inside ``module`` that update running statistics in this forward."""
+    return [
+        m for m in module.modules()
+        if m.__dict__.get("track_running_stats") is True and m.training
+    ]  # fmt: skip
+
+
 @contextlib.contextmanager
 def _running_stats_frozen(module: nn.Module):
     """The recompute must not update running statistics a second time (BatchNorm's mean,
@@ -289,10 +297,7 @@ def _running_stats_frozen(module: nn.Module):
     ``track_running_stats = False`` while it runs, which keeps their batch statistics and
     skips the update; an InstanceNorm passes its buffers whatever that flag says, so they are
     set to None too. Everything is put back after, also on an error."""
-    tracked = [
-        m for m in module.modules()
-        if m.__dict__.get("track_running_stats") is True and m.training
-    ]  # fmt: skip
+    tracked = _tracking(module)
     if not tracked:
         yield
         return
@@ -322,13 +327,12 @@ def _running_stats_restored(module: nn.Module):
     buffers back after (the same tensor objects, untouched)."""
     kept = []
     try:
-        for m in module.modules():
-            if m.__dict__.get("track_running_stats") is True and m.training:
-                for name in _RUNNING:
-                    t = m._buffers.get(name)
-                    if t is not None:
-                        kept.append((m, name, t))
-                        m._buffers[name] = t.clone()
+        for m in _tracking(module):
+            for name in _RUNNING:
+                t = m._buffers.get(name)
+                if t is not None:
+                    kept.append((m, name, t))
+                    m._buffers[name] = t.clone()
         yield
     finally:
         for m, name, t in kept:
@@ -578,7 +582,7 @@ def _call(module: nn.Module, run, spec: QuantSpec, args: tuple, kwargs: dict):
 
 
 # a model's own activation checkpointing: (flag, how to turn it off)
-_OTHER_CHECKPOINTING = (
+OTHER_CHECKPOINTING = (
     ("gradient_checkpointing", "model.gradient_checkpointing_disable()"),  # Hugging Face
     ("grad_checkpointing", "model.set_grad_checkpointing(False)"),  # timm
 )
@@ -616,7 +620,7 @@ def _others(model: nn.Module | None, name: str, unit: nn.Module) -> _Others:
     return _Others(
         (n, m, flag)
         for n, m in path
-        for flag, _ in _OTHER_CHECKPOINTING
+        for flag, _ in OTHER_CHECKPOINTING
         if hasattr(m, flag)
     )  # fmt: skip
 
@@ -627,7 +631,7 @@ def _check_other_checkpointing(module: nn.Module) -> None:
     block's forward three times. Cheap attribute reads of the flags recorded at ``apply``."""
     for name, m, flag in module.__dict__.get("_mesa_ckpt_others", ()):
         if getattr(m, flag, False) is True:
-            how = dict(_OTHER_CHECKPOINTING)[flag]
+            how = dict(OTHER_CHECKPOINTING)[flag]
             raise ValueError(
                 f"mesa_lite: {name or type(m).__name__}.{flag} is on, but "
                 f"{type(module).__name__} is checkpointed by mesa_lite (Config.checkpoint): "

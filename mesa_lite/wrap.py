@@ -385,10 +385,7 @@ def _check_no_other_checkpointing(model: nn.Module) -> None:
     """Config.checkpoint replaces a model's own activation checkpointing; both at once would
     recompute every block twice."""
     for name, m in model.named_modules():
-        for flag, how in (
-            ("gradient_checkpointing", "model.gradient_checkpointing_disable()"),
-            ("grad_checkpointing", "model.set_grad_checkpointing(False)"),
-        ):
+        for flag, how in _ckpt.OTHER_CHECKPOINTING:
             if getattr(m, flag, False) is True:
                 raise ValueError(
                     f"wrap: Config.checkpoint replaces the model's own activation "

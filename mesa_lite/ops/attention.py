@@ -68,14 +68,7 @@ def sdpa_backend(q, k, v, dropout_p: float, is_causal: bool, scale, mask=None,
     flash attention, else the memory-efficient kernel (eager mode may pick cuDNN where both
     are possible)."""
     if not torch.compiler.is_compiling():
-        try:
-            return int(
-                torch._fused_sdp_choice(
-                    q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-                )
-            )
-        except RuntimeError:
-            return -1
+        return _fused_choice(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
     layout = tuple((tuple(t.shape), tuple(t.stride())) for t in (q, k, v))
     m = None if mask is None else (tuple(mask.shape), tuple(mask.stride()), mask.dtype)
     flags = (float(dropout_p), bool(is_causal), bool(enable_gqa))
@@ -97,8 +90,13 @@ def _cpu_backend_constant(layout, dtype, mask, dropout_p, is_causal, enable_gqa,
     on every torch version (whether CPU flash attention takes dropout has changed)."""
     q, k, v = _empty_like_layout(layout, dtype, "cpu")
     bias = None if mask is None else torch.empty_strided(mask[0], mask[1], dtype=mask[2])
+    return _fused_choice(q, k, v, bias, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _fused_choice(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) -> int:
+    """PyTorch's own choice (``_fused_sdp_choice``), -1 where it raises."""
     try:
-        return int(torch._fused_sdp_choice(q, k, v, bias, dropout_p, is_causal, scale=scale,
+        return int(torch._fused_sdp_choice(q, k, v, mask, dropout_p, is_causal, scale=scale,
                                            enable_gqa=enable_gqa))  # fmt: skip
     except RuntimeError:
         return -1
