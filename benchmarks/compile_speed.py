@@ -1,18 +1,25 @@
-"""Step time and activation memory of eager and compiled training, plain and mesa_lite, in
-one process, as the median of interleaved passes.
+"""Step time and activation memory of eager and compiled training, plain and mesa_lite, and of
+PyTorch's own compile-time options, in one process, as the median of interleaved passes.
 
-Rows (each a full AdamW step under autocast, one model per row, all alive at once):
-  plain / mesa eager                  the model as built, and wrapped (default Config);
+Rows (each a full AdamW step under autocast, one model per row, all alive at once; ``--rows``):
+  plain / mesa int8                   the model as built, and wrapped (default Config), eager;
   plain compiled                      torch.compile(model);
-  mesa compiled, custom_op            quantize/dequantize as opaque custom ops (Triton);
-  mesa compiled, decomposed           quantize/dequantize as PyTorch ops Inductor can fuse
-                                      (``mesa_lite.quant.COMPILE_FORM``).
+  mesa int8 compiled, custom_op       quantize/dequantize as opaque custom ops (Triton);
+  mesa int8 compiled, decomposed      quantize/dequantize as PyTorch ops Inductor fuses (the
+                                      default, ``mesa_lite.quant.COMPILE_FORM``);
+  plain compiled, activation_memory_budget 0.5 / 0.2
+                                      the partitioner's selective recomputation;
+  plain compiled, Inductor fp8 activations
+                                      Inductor's fp8 (e5m2) saved-activation pass;
+  plain / mesa int8 compiled, reduce-overhead
+                                      CUDA graphs (their memory is in graph pools: the
+                                      activation column is not comparable there).
 
 Each pass runs ``--steps`` steps of every row in turn; a row's step time is the median over
-all its steps of all passes, and its ratio is against the plain row of the same mode (eager or
-compiled). Activation memory: the row's peak over its steps minus what was allocated before
-them (all models' parameters, gradients and optimizer state are alive throughout, so this is
-the row's own activations and temporaries). Needs a GPU.
+all its steps of all passes, and its ratio is against its base row (eager plain, compiled
+plain, or reduce-overhead plain). Activation memory: the row's peak over its steps minus what
+was allocated before them (all models' parameters, gradients and optimizer state are alive
+throughout, so this is the row's own activations and temporaries). Needs a GPU.
 
     python benchmarks/compile_speed.py --models deit_base_patch16_224 --out results/compile_b
 """
@@ -20,6 +27,7 @@ the row's own activations and temporaries). Needs a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -45,13 +53,40 @@ F = lazy_import("torch.nn.functional")
 quant = lazy_import("mesa_lite.quant")
 
 MIB = 2**20
-ROWS = (
-    ("plain", "amp", False, None),
-    ("mesa int8", "mesa", False, None),
-    ("plain compiled", "amp", True, None),
-    ("mesa int8 compiled, custom_op", "mesa", True, "custom_op"),
-    ("mesa int8 compiled, decomposed", "mesa", True, "decomposed"),
-)
+FP8_PASS = {"quant_type": "torch.float8_e5m2", "size_in_mb": 1, "use_scaling": True,
+            "allowed_dtypes": "torch.float16;torch.bfloat16;torch.float32"}  # fmt: skip
+# name: (mode, torch.compile mode or None for eager, COMPILE_FORM, Inductor options, functorch
+# config patches, base row). torch.compile reuses one compiled graph for every instance of a
+# model class (Dynamo caches on the forward's code; parameters are graph inputs) unless the
+# compile options differ, so each row that must compile on its own has options of its own
+# (no-op ones where the row needs none). The functorch patch is set while the row runs.
+_OWN = ({"trace.enabled": False}, {"trace.enabled": False, "trace.debug_log": False},
+        {"trace.enabled": False, "trace.debug_log": False, "trace.info_log": False})  # fmt: skip
+ROWS = {
+    "plain": ("amp", None, None, None, (), "plain"),
+    "mesa int8": ("mesa", None, None, None, (), "plain"),
+    "plain compiled": ("amp", "default", None, None, (), "plain compiled"),
+    "mesa int8 compiled, custom_op": (
+        "mesa", "default", "custom_op", None, (), "plain compiled"),
+    "mesa int8 compiled, decomposed": (
+        "mesa", "default", "decomposed", None, (), "plain compiled"),
+    "plain compiled, activation_memory_budget 0.5": (
+        "amp", "default", None, _OWN[0], (("activation_memory_budget", 0.5),),
+        "plain compiled"),
+    "plain compiled, activation_memory_budget 0.2": (
+        "amp", "default", None, _OWN[1], (("activation_memory_budget", 0.2),),
+        "plain compiled"),
+    "plain compiled, Inductor fp8 activations": (
+        "amp", "default", None,
+        {"post_grad_fusion_options": {"activation_quantization_aten_pass": FP8_PASS}}, (),
+        "plain compiled"),
+    "plain compiled, reduce-overhead": (
+        "amp", "reduce-overhead", None, None, (), "plain compiled, reduce-overhead"),
+    "mesa int8 compiled, reduce-overhead": (
+        "mesa", "reduce-overhead", "decomposed", None, (), "plain compiled, reduce-overhead"),
+}  # fmt: skip
+DEFAULT_ROWS = ("plain", "mesa int8", "plain compiled", "mesa int8 compiled, custom_op",
+                "mesa int8 compiled, decomposed")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passes", type=positive_int, default=3, help="interleaved passes")
     p.add_argument("--warmup", type=positive_int, default=3,
                    help="steps of each row before the passes (compiles there)")  # fmt: skip
+    p.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(DEFAULT_ROWS),
+                   metavar="ROW", help="rows to run, of: " + "; ".join(ROWS)
+                   + " (a row's ratios are against its base row, added when missing)")  # fmt: skip
     add_out_argument(p, "compile_speed", "PREFIX.jsonl and PREFIX.md")
     return p
 
@@ -78,12 +116,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class _Row:
-    def __init__(self, name, mode, compiled, form, model_name, dtype):
-        self.name, self.form, self.dtype = name, form, dtype
+    def __init__(self, name, model_name, dtype):
+        mode, compile_mode, self.form, options, self.patches, self.base = ROWS[name]
+        self.name, self.dtype = name, dtype
         from .deit_memory import make_model
 
         model = make_model(model_name, "fused", mode, 224).cuda()
-        self.model = torch.compile(model) if compiled else model
+        if compile_mode is None:
+            self.model = model
+        elif options is None:
+            self.model = torch.compile(model, mode=compile_mode)
+        else:  # mode and options do not go together
+            self.model = torch.compile(model, options=options)
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05)
         self.scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
         self.times: list[float] = []
@@ -92,12 +136,21 @@ class _Row:
     def step(self, x, y):
         if self.form is not None:  # read while tracing; guarded, so set it for every call
             quant.COMPILE_FORM = self.form
-        self.opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=self.dtype):
-            loss = F.cross_entropy(self.model(x), y)
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.opt)
-        self.scaler.update()
+        with contextlib.ExitStack() as stack:
+            for option, value in self.patches:  # read while compiling
+                stack.enter_context(torch._functorch.config.patch({option: value}))
+            self.opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=self.dtype):
+                loss = F.cross_entropy(self.model(x), y)
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.opt)
+            self.scaler.update()
+
+
+def row_names(requested) -> list[str]:
+    """The requested rows with their base rows, in ROWS order."""
+    wanted = set(requested) | {ROWS[r][5] for r in requested}
+    return [r for r in ROWS if r in wanted]
 
 
 def run_model(name: str, args) -> list[dict]:
@@ -105,7 +158,7 @@ def run_model(name: str, args) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch_size, 3, 224, 224, generator=g).cuda()
     y = torch.randint(0, 1000, (args.batch_size,), generator=g).cuda()
-    rows = [_Row(*r, name, dtype) for r in ROWS]
+    rows = [_Row(r, name, dtype) for r in row_names(args.rows)]
     for r in rows:  # compiles here
         for _ in range(args.warmup):
             r.step(x, y)
@@ -127,8 +180,9 @@ def run_model(name: str, args) -> list[dict]:
         out.append({"model": name, "row": r.name, "dtype": args.dtype,
                     "batch": args.batch_size, "step_ms": statistics.median(r.times),
                     "activation_mib": max(r.activation), **env})  # fmt: skip
-    for r in out:
-        base = out[2] if "compiled" in r["row"] else out[0]
+    by_name = {r["row"]: r for r in out}
+    for r, row in zip(out, rows, strict=True):
+        base = by_name[row.base]
         r["step_ratio"] = r["step_ms"] / base["step_ms"]
         r["activation_reduction"] = base["activation_mib"] / r["activation_mib"]
     return out
@@ -147,7 +201,7 @@ def main(argv=None) -> int:
         f"torch {e['torch']}, triton {e['triton']}, timm {e['timm']}, {e['date']}.\n\n"
     )
     cols = [("model", "model", ""), ("row", "row", ""), ("step_ms", "step ms", ".1f"),
-            ("step_ratio", "step / plain (same mode)", ".2f"),
+            ("step_ratio", "step / base row", ".2f"),
             ("activation_mib", "activations MiB", ".0f"),
             ("activation_reduction", "activation reduction", ".2f")]  # fmt: skip
     Outputs(args.out, "compile_speed").write_report(rows, head + markdown_table(rows, cols) + "\n")

@@ -12,6 +12,7 @@ Writes PREFIX.md (one table per configuration) into a fresh runs/ folder unless 
 prefix, and prints it. GPU only.
 
     python benchmarks/peak_memory.py --models deit_small_patch16_224 --modes amp mesa --bits 8 4
+    python benchmarks/peak_memory.py --modes amp mesa --compile   # Inductor's buffers by line
 """
 
 from __future__ import annotations
@@ -49,9 +50,16 @@ OWN = ("mesa_lite/", "kernels/", "timm/", "benchmarks/")
 
 
 def frame_label(frames: list[dict]) -> str:
-    """The innermost frame from our code or timm, as file:line function; else the engine."""
+    """The innermost frame from our code or timm, as file:line function, or from Inductor's
+    generated code, with that line's source (``buf12 = empty_strided_cuda(...)``); else the
+    engine."""
+    import linecache
+
     for f in frames:
         name = f.get("filename", "")
+        if "torchinductor" in name:  # a compiled graph's generated wrapper code
+            line = linecache.getline(name, f.get("line") or 0).strip()[:90]
+            return f"inductor {name.rsplit('/', 1)[-1]}:{f.get('line')} {line}"
         if any(key in name for key in OWN) and "peak_memory.py" not in name:
             short = name[max(name.rfind(k) for k in OWN if k in name) :]
             return f"{short}:{f.get('line')} {f.get('name')}"
@@ -138,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup", type=nonnegative_int, default=2, help="steps before the recorded one"
     )
     p.add_argument("--top", type=positive_int, default=25, help="groups listed per configuration")
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile each model before its warm-up"
+    )
     add_out_argument(p, "peak_memory", "PREFIX.md")
     return p
 
@@ -174,11 +185,15 @@ def run(argv=None) -> str:
             inputs = (name, x, y)
         _, x, y = inputs
         model = make_model(name, attention, mode, 224, bits or 8).to(device)
+        if args.compile:  # a fresh graph per configuration: compiled graphs are shared by class
+            torch._dynamo.reset()
+            model = torch.compile(model)
         r = profile(model, x, y, dtype, args.warmup)
         del model
         gc.collect()
         torch.cuda.empty_cache()
         title = f"{name} {attention} {mode}" + (f" int{bits}" if bits else "")
+        title += " compiled" if args.compile else ""
         kept = "allocated before the step, still alive (params, optimizer state, inputs)"
         rows = [{"where": kept, "mib": r["before_at_peak"] / MIB, "blocks": ""}]
         rows += [{"where": k, "mib": v[0] / MIB, "blocks": v[1]}

@@ -82,7 +82,8 @@ _CHECKED: set[tuple[int, int]] = set()  # (bits, group_size) pairs already found
 
 
 def _check_bits_group(bits: int, group_size: int, where: str) -> None:
-    if type(group_size) is int and (bits, group_size) in _CHECKED:
+    compiling = torch.compiler.is_compiling()  # no cache there: a read would be guarded on
+    if not compiling and type(group_size) is int and (bits, group_size) in _CHECKED:
         return  # checked once: this runs on every quantize and dequantize
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise ValueError(f"{where}: group_size must be a positive int, got {group_size!r}")
@@ -93,7 +94,8 @@ def _check_bits_group(bits: int, group_size: int, where: str) -> None:
             f"{where}: with bits={bits}, group_size must be a multiple of {per_byte(bits)} "
             f"(codes per byte), got {group_size}"
         )
-    _CHECKED.add((bits, group_size))
+    if not compiling:
+        _CHECKED.add((bits, group_size))
 
 
 # stochastic rounding's seed source: [torch.initial_seed() it counts under, calls since then]
@@ -709,7 +711,9 @@ def dequantize_ref(
         shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
         stored = (codes.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)
         q = (stored.view(-1)[:n] + qrange(signed, bits)[0]).float()
-    if epilogue is None:  # one fp32 temporary at a time, as before
+    if epilogue is None and not torch.compiler.is_compiling():
+        # one fp32 temporary at a time; under torch.compile the functional form below, which
+        # Inductor makes one kernel of
         out = torch.empty(n, dtype=dtype, device=codes.device)
         full = n // group_size * group_size
         if full:

@@ -64,33 +64,19 @@ def sdpa_backend(q, k, v, dropout_p: float, is_causal: bool, scale, mask=None,
 
     Under torch.compile, where ``_fused_sdp_choice`` cannot be traced, the choice is made once
     while tracing, on empty tensors of the same layout (``assume_constant_result``), honouring
-    the backends the user enabled (``sdpa_kernel``): on the CPU PyTorch's own choice; on CUDA
-    flash attention, else the memory-efficient kernel (eager mode may pick cuDNN where both
-    are possible)."""
+    the backends the user enabled (``sdpa_kernel``): PyTorch's own choice, as in eager mode."""
     if not torch.compiler.is_compiling():
         return _fused_choice(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
     layout = tuple((tuple(t.shape), tuple(t.stride())) for t in (q, k, v))
     m = None if mask is None else (tuple(mask.shape), tuple(mask.stride()), mask.dtype)
     flags = (float(dropout_p), bool(is_causal), bool(enable_gqa))
-    if q.device.type == "cpu":
-        return _cpu_backend_constant(layout, q.dtype, m, *flags, scale, sdpa_backends_enabled())
-    return _cuda_backend_constant(layout, q.dtype, q.device.index, m, *flags,
-                                  sdpa_backends_enabled())  # fmt: skip
+    return _backend_constant(
+        layout, q.dtype, str(q.device), m, *flags, scale, sdpa_backends_enabled()
+    )
 
 
 def _empty_like_layout(layout, dtype, device):
     return (torch.empty_strided(sh, st, dtype=dtype, device=device) for sh, st in layout)
-
-
-@torch.compiler.assume_constant_result
-def _cpu_backend_constant(layout, dtype, mask, dropout_p, is_causal, enable_gqa, scale,
-                          enabled) -> int:  # fmt: skip
-    """PyTorch's own CPU choice (``_fused_sdp_choice``) for tensors of ``layout``, made once
-    while torch.compile traces, on empty tensors of the same layout: the same as eager mode's
-    on every torch version (whether CPU flash attention takes dropout has changed)."""
-    q, k, v = _empty_like_layout(layout, dtype, "cpu")
-    bias = None if mask is None else torch.empty_strided(mask[0], mask[1], dtype=mask[2])
-    return _fused_choice(q, k, v, bias, dropout_p, is_causal, scale, enable_gqa)
 
 
 def _fused_choice(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) -> int:
@@ -103,23 +89,20 @@ def _fused_choice(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) -> int
 
 
 @torch.compiler.assume_constant_result
-def _cuda_backend_constant(layout, dtype, index, mask, dropout_p, is_causal, enable_gqa,
-                           enabled) -> int:  # fmt: skip
-    """Flash attention, else the memory-efficient kernel, else -1, for tensors of ``layout``
-    (shapes and strides): torch.compile calls this once while tracing, on empty tensors of the
-    same layout (Dynamo cannot trace ``SDPAParams`` on every torch version). ``enabled``, the
-    backends the user enabled, is an argument so that a change of it is a new constant."""
-    device = torch.device("cuda", index)
+def _backend_constant(layout, dtype, device: str, mask, dropout_p, is_causal, enable_gqa, scale,
+                      enabled) -> int:  # fmt: skip
+    """PyTorch's own choice (``_fused_sdp_choice``) for tensors of ``layout`` (shapes and
+    strides) on ``device``, made once while torch.compile traces, on empty tensors of the same
+    layout (Dynamo cannot trace the choice, nor ``SDPAParams``, on every torch version): the
+    kernels eager mode and the compiled plain model run (on CUDA cuDNN, flash or
+    memory-efficient attention; on the CPU flash attention or the math path, whichever the
+    installed torch takes for dropout). ``enabled``, the backends the user enabled, is an
+    argument so that a change of it is a new constant."""
     q, k, v = _empty_like_layout(layout, dtype, device)
     bias = None
     if mask is not None:
         bias = torch.empty_strided(mask[0], mask[1], dtype=mask[2], device=device)
-    params = torch.backends.cuda.SDPAParams(q, k, v, bias, dropout_p, is_causal, enable_gqa)
-    if torch.backends.cuda.can_use_flash_attention(params):
-        return SDPA_FLASH
-    if torch.backends.cuda.can_use_efficient_attention(params):
-        return SDPA_EFFICIENT
-    return -1
+    return _fused_choice(q, k, v, bias, dropout_p, is_causal, scale, enable_gqa)
 
 
 def fused_backends(device: torch.device) -> tuple[int, ...]:

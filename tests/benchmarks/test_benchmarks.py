@@ -186,6 +186,8 @@ def test_peak_memory_replay_finds_the_live_set_at_the_peak():
     assert live[1] == (100, "mesa_lite/functions.py:7 forward")
     assert live[3][1].startswith("autograd engine")
     assert peak_memory.frame_label(timm_frame) == "timm/layers/mlp.py:48 forward"
+    inductor = [{"filename": "/tmp/torchinductor_u/ab/cabc.py", "line": 3, "name": "call"}]
+    assert peak_memory.frame_label(inductor + ours) == "inductor cabc.py:3 "
 
 
 def test_coverage_lists_converted_and_plain_layers(tmp_path):
