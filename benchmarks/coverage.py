@@ -91,6 +91,8 @@ def _hf_model(name: str):
         import transformers as tf
     except ImportError:
         return None
+    # transformers' notes about these tiny configs (token ids, tied weights) are not ours
+    tf.logging.set_verbosity_error()
     if name == "hf-gpt2":
         cfg = tf.GPT2Config(n_layer=2, n_embd=256, n_head=4, vocab_size=1000, n_positions=512)
         return tf.GPT2LMHeadModel(cfg)
