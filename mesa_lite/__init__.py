@@ -31,6 +31,7 @@ _WHERE = {
     "MemoryBreakdown": "mesa_lite.breakdown",
     "memory_breakdown": "mesa_lite.breakdown",
     "register": "mesa_lite.wrap",
+    "supported_layers": "mesa_lite.wrap",
     "unwrap": "mesa_lite.wrap",
     "wrap": "mesa_lite.wrap",
     "wrapped_modules": "mesa_lite.wrap",
@@ -48,7 +49,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads t
     from mesa_lite.kernels.group_quant import rounding_state, set_rounding_state  # noqa: F401
     from mesa_lite.modules import GELU, LayerNorm, Linear, MatMul, Softmax  # noqa: F401
     from mesa_lite.report import MemoryReport, memory_report  # noqa: F401
-    from mesa_lite.wrap import register, unwrap, wrap, wrapped_modules  # noqa: F401
+    from mesa_lite.wrap import register, supported_layers, unwrap, wrap, wrapped_modules  # noqa: F401
 
 
 def __getattr__(name: str):

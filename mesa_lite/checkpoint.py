@@ -463,7 +463,7 @@ def _drop_cache(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, di
         "checkpoint-cache",
         f"mesa_lite: checkpointed {type(module).__name__} layers run without their k/v cache "
         "in training (as with Hugging Face's gradient checkpointing): the model returns no "
-        "filled cache",
+        "filled cache; pass use_cache=False in training to say so",
     )
     return args, kwargs
 
@@ -541,7 +541,7 @@ def _row_spec(spec: QuantSpec, row: int) -> QuantSpec:
     return spec
 
 
-@torch.compiler.disable
+@torch._disable_dynamo  # torch.compiler.disable, importing Dynamo at the first call only
 def _call(module: nn.Module, run, spec: QuantSpec, args: tuple, kwargs: dict):
     leaves, treespec = _flatten((args, kwargs))
     # the block input, compressed: the first positional argument's tensors (its leaves come
@@ -730,7 +730,7 @@ def _torch_checkpoint(module: nn.Module, run, hooks: list[str], args: tuple, kwa
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
 
-@torch.compiler.disable
+@torch._disable_dynamo  # torch.compiler.disable, importing Dynamo at the first call only
 def _dispatch(module: nn.Module, run, spec: QuantSpec, args: tuple, kwargs: dict):
     hooks = _recording_hooks(module)
     if hooks:

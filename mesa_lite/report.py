@@ -116,14 +116,19 @@ class MemoryReport:
             cols += f" {'plain wcopy MiB':>15} {'mesa wcopy MiB':>14}"
         rule = "-" * (width + 2 + (kind_width + 1 if kind_width else 0) + len(cols))
 
+        marks: set[str] = set()
+
         def line(r: ModuleRow) -> str:
             plain, comp = r.plain_bytes, r.compressed_bytes
             if not (plain or comp):
                 red = "-"
-            elif comp * 100 < plain:  # its input's codes are kept (and counted) by its producer
+            elif comp == 0:  # its input's codes are kept (and counted) by its producer
+                red = "shared"
+            elif comp * 100 < plain:
                 red = ">100"
             else:
                 red = f"{r.reduction:.2f}"
+            marks.add(red)
             kind = f"{r.kind:<{kind_width}} " if kind_width else ""
             text = f"{r.name:<{width}}  {kind}{plain / 2**20:>10.2f} {comp / 2**20:>10.2f} {red:>9}"
             if copies:
@@ -142,6 +147,13 @@ class MemoryReport:
             self.plain_weight_copy_total, self.compressed_weight_copy_total,
         )  # fmt: skip
         lines.append(line(total))
+        if "shared" in marks:
+            lines.append(
+                "shared: keeps nothing of its own; it reuses the codes of its input that the "
+                "layer producing it keeps (counted there)"
+            )
+        if ">100" in marks:
+            lines.append("reduction >100: keeps less than 1% of what the plain layer keeps")
         if copies:
             lines.append(
                 "wcopy: autocast's low-precision casts of Parameters kept for backward; "

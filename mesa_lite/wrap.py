@@ -28,8 +28,6 @@ import torch.nn as nn
 from mesa_lite import checkpoint as _ckpt
 from mesa_lite import recognize
 from mesa_lite.config import CHECKPOINT_INNER, LAYER_KINDS, Config, QuantSpec
-from mesa_lite.integrations import timm as _timm
-from mesa_lite.integrations import transformers as _transformers
 from mesa_lite.modules import (
     GELU,
     Dropout,
@@ -107,17 +105,41 @@ def register(
     _REGISTRY[orig_type] = _Entry(mesa_cls, kind, accepts, reason)
 
 
-for _args in (*_timm.registrations(), *_transformers.registrations()):
-    register(*_args)
-
 # Types known by structure rather than by name (RMSNorms proved equal to their formula,
 # transformers' attention classes): (matches(module), mesa_lite class, kind, accepts or None,
 # why accepts rejects); ``accepts`` may return the reason itself instead of False
-_STRUCTURAL: list[tuple] = [*recognize.structural(), *_transformers.structural()]
+_STRUCTURAL: list[tuple] = list(recognize.structural())
 
 # Block types whose halves may run as block-level Functions when their layers are wrapped
 # alike (``modules.FusedBlock``); exactly these types (a subclass may compute otherwise)
-_BLOCKS: dict[type, type] = dict(_timm.block_registrations())
+_BLOCKS: dict[type, type] = {}
+
+# The integrations loaded so far: name -> module (``_load_integrations``)
+_INTEGRATIONS: dict = {}
+
+
+def _load_integrations() -> None:
+    """Loads the timm and transformers integrations once their library is in use: a model
+    with their classes means the user imported them, so a model without them (or a first
+    ``wrap`` of a plain ``nn.Sequential``) does not pay for importing them (1.7 s). An entry
+    the user registered for one of their classes first is kept."""
+    import importlib
+    import sys
+
+    for name in ("timm", "transformers"):
+        if name in _INTEGRATIONS or name not in sys.modules:
+            continue
+        integration = importlib.import_module(f"mesa_lite.integrations.{name}")
+        _INTEGRATIONS[name] = integration
+        for args in integration.registrations():
+            if args[0] not in _REGISTRY:
+                register(*args)
+        if name == "timm":
+            _BLOCKS.update(integration.block_registrations())
+        else:
+            _STRUCTURAL.extend(integration.structural())
+
+
 # and blocks recognised by proof (``mesa_lite.recognize``): module -> FusedBlock class, the
 # reason a candidate was refused, or None
 _BLOCK_MATCHERS: list[Callable] = list(recognize.block_matchers())
@@ -284,6 +306,7 @@ def wrap(
 
 
 def _wrap(model, config, filter_fn):
+    _load_integrations()
     modules = list(model.named_modules())
     names = [n for n, _ in modules]
     for pattern in config.overrides:
@@ -350,13 +373,15 @@ def _wrap(model, config, filter_fn):
         specs[plan.spec.describe()] += 1
     if not converted and not built and not exact:
         warnings.warn(
-            f"mesa_lite.wrap: {type(model).__name__} has no supported layers "
-            f"(supported: {_supported_names()}); it is returned unchanged",
+            f"mesa_lite.wrap: {type(model).__name__} has no supported layers (mesa_lite "
+            f"compresses {', '.join(LAYER_KINDS)}; mesa_lite.supported_layers() lists the "
+            "classes); it is returned unchanged",
             stacklevel=2,
         )
     by_proof, not_fused = _fuse_blocks(model)
     _ckpt.apply(units, config.checkpoint_spec(), model)
-    losses, losses_exact = _transformers.after_wrap(model, config, user_filter)
+    hf = _INTEGRATIONS.get("transformers")
+    losses, losses_exact = hf.after_wrap(model, config, user_filter) if hf else ([], 0)
     for spec in losses:
         converted["loss"] += 1
         specs[spec.describe()] += 1
@@ -441,24 +466,30 @@ def _summary(
     return line
 
 
-def _supported_names() -> list[str]:
-    """Registered types by import path (torch's and timm's share names such as GELU)."""
+def supported_layers() -> list[str]:
+    """The layer classes ``wrap`` converts, by import path (torch's and timm's share names
+    such as GELU), with those of timm and transformers once they are imported; layers
+    recognised by structure (RMSNorms, MLPs and attention proved equal to mesa_lite's
+    formulas) are not listed."""
 
     def path(t: type) -> str:
         if getattr(nn, t.__name__, None) is t:
             return f"torch.nn.{t.__name__}"
         return f"{t.__module__}.{t.__qualname__}"
 
+    _load_integrations()
     return sorted({path(t) for t in _REGISTRY})
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     """Converts every mesa_lite module of ``model`` back to its original class, in place."""
+    _load_integrations()
     _ckpt.remove(model)
     for _, module in list(model.named_modules()):
         if isinstance(module, MesaModule):
             module.to_original()
         if isinstance(module, FusedBlock):
             module.unfuse()
-    _transformers.after_unwrap(model)
+    if "transformers" in _INTEGRATIONS:
+        _INTEGRATIONS["transformers"].after_unwrap(model)
     return model

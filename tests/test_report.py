@@ -162,3 +162,20 @@ def test_report_frees_every_graph():
         mesa_lite.memory_report(model, x, print_table=False)
         saved_bytes(model, x)
     assert _live_tensors() <= before
+
+
+def test_table_marks_rows_that_keep_nothing_of_their_own():
+    """A row that keeps nothing (its input's codes are its producer's) reads "shared", not a
+    reduction, and one that keeps under 1% reads ">100"; the table says what both mean, and
+    prints neither note when no row needs it."""
+    from mesa_lite.report import MemoryReport, ModuleRow
+
+    rows = [ModuleRow("norm", "LayerNorm", 1000, 250), ModuleRow("head", "Linear", 800, 0),
+            ModuleRow("big", "Linear", 100_000, 10)]  # fmt: skip
+    text = MemoryReport(rows, 101_800, 260).table()
+    by_name = {line.split()[0]: line.split() for line in text.splitlines() if line}
+    assert by_name["norm"][-1] == "4.00"
+    assert by_name["head"][-1] == "shared" and by_name["big"][-1] == ">100"
+    assert "shared: keeps nothing of its own" in text and "reduction >100:" in text
+    plain_only = MemoryReport(rows[:1], 1000, 250).table()
+    assert "shared:" not in plain_only and ">100:" not in plain_only

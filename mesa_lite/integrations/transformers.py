@@ -93,6 +93,12 @@ if _Conv1D is not None:
                 return super().forward(x)
             return addmm(x, weight, bias, self.mesa_spec)
 
+        def __repr__(self) -> str:  # transformers' own __repr__ leaves out extra_repr
+            return f"{super().__repr__()[:-1]}, {self.extra_repr()})"
+
+        def extra_repr(self) -> str:
+            return MesaModule.extra_repr(self).lstrip(", ")
+
 
 # ---- recognised by structure ----------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from mesa_lite import quant
 from mesa_lite.config import QuantSpec
 from mesa_lite.ops.common import (
+    assume_constant_result,
     autocast_cast,
     autocast_dtype,
     first_order_only,
@@ -88,7 +89,7 @@ def _fused_choice(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa) -> int
         return -1
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _backend_constant(layout, dtype, device: str, mask, dropout_p, is_causal, enable_gqa, scale,
                       enabled) -> int:  # fmt: skip
     """PyTorch's own choice (``_fused_sdp_choice``) for tensors of ``layout`` (shapes and
@@ -324,14 +325,18 @@ def scaled_dot_product_attention(
         backend = -2
     if backend not in fused_backends(q.device):
         why = "a mask that needs grad" if backend == -2 else f"SDPA backend {backend}"
+        fix = ""
         if backend in (-1, 0) and q.device.type == "cpu" and dropout_p > 0:
             why = "dropout (PyTorch runs attention with dropout on its math path on the CPU)"
+            fix = " (compressed with attention dropout 0, or on CUDA)"
         elif backend in (-1, 0):
             why = "inputs no fused SDPA kernel takes (PyTorch's math path)"
+        elif backend == -2:
+            fix = " (compressed with a mask that does not need grad)"
         warn_once(
             f"sdpa-{why}-{q.device.type}",
             f"mesa_lite: attention with {why} on {q.device.type} is not compressed; "
-            "it runs as plain F.scaled_dot_product_attention",
+            f"it runs as plain F.scaled_dot_product_attention{fix}",
         )
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,

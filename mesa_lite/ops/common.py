@@ -69,7 +69,15 @@ def autocast_dtype(op: str, device: torch.device) -> torch.dtype | None:
     return _autocast_policy_constant(op, dev, torch.get_autocast_dtype(dev))
 
 
-@torch.compiler.assume_constant_result
+def assume_constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing Dynamo when mesa_lite is
+    imported (2.6 s on a first ``wrap``): the same mark, which Dynamo reads while tracing
+    (torch 2.11 to 2.14; the compile tests with ``fullgraph=True`` fail without it)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@assume_constant_result
 def _autocast_policy_constant(op: str, device: str, autocast_dtype: torch.dtype):
     # torch.compile calls this once while tracing (no probe ops in the graph)
     return _autocast_policy(op, device, autocast_dtype)
@@ -156,7 +164,7 @@ def warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=4)
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _warn_while_tracing(key: str, message: str) -> bool:
     # torch.compile runs this once while tracing (Dynamo cannot trace warnings.warn)
     if key not in _WARNED:

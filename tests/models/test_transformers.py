@@ -292,3 +292,16 @@ def test_filter_fn_and_overrides_decide_the_loss_too(caplog):
     assert isinstance(outer.lm.loss_function, hf._CausalLMLoss)
     assert "loss 1" in caplog.text
     assert type(outer.head) is torch.nn.Linear
+
+
+def test_printed_gpt2_shows_the_setting_of_its_conv1d_layers():
+    """``print(model)`` shows each converted layer's setting, GPT-2's ``Conv1D`` too (its own
+    ``__repr__`` leaves out ``extra_repr``), and nothing once unwrapped."""
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(_config("gpt2"))
+    mesa_lite.wrap(model)
+    c_attn = model.transformer.h[0].attn.c_attn
+    assert repr(c_attn) == f"Conv1D(nf={c_attn.nf}, nx={c_attn.nx}, mesa=int8 g128 nearest)"
+    assert "Conv1D(nf=" in repr(model) and "mesa=int8" in repr(model.transformer.h[0].mlp)
+    mesa_lite.unwrap(model)
+    assert repr(c_attn) == f"Conv1D(nf={c_attn.nf}, nx={c_attn.nx})"
