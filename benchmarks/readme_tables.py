@@ -9,20 +9,40 @@ each .md), chosen in TABLES below, and sits in README.md between marker comments
 
 Where two files measured the same figure, the table takes the newest: the later "date" field,
 and on equal dates the file changed last in `git log` (docs/RESULTS.md lists the others).
+
+A figure in the prose sits between an inline marker that says where it comes from and `/fig`:
+
+  <!-- fig:compile_speed_s:row=mesa int8:step_ratio:x -->1.47x<!-- /fig -->
+
+that is fig:FILE:SELECTION:VALUE:FORMAT, a marker and its /fig on one line, after a word of
+the sentence (a line that begins with "<!--" is a raw HTML block to Markdown), where
+- FILE is benchmarks/results/FILE.jsonl;
+- SELECTION is key=value pairs joined by "&" (a value may list alternatives joined by "|";
+  a number, true, false or null matches the JSON value); empty selects every row;
+- VALUE is a field of the one row selected (anything but one row is an error), or a summary
+  of all the rows selected: median(FIELD) (of the finite values, as grad_fidelity.py takes
+  it), each(FIELD) (every row must give the same text), or diff_mean / diff_lo95 / diff_hi95
+  (FIELD, KEY=BASE, BY): the mean paired difference against the rows with KEY=BASE instead,
+  paired on BY, and the ends of its 95% interval (+- 1.96 standard errors, as accuracy.py);
+- FORMAT is x (2 decimals and "x"), mib (whole MiB with a thousands separator), ms (one
+  decimal), s (text as it is), or any Python format spec such as .1f or +.2f.
+
 Imports no torch, so it runs anywhere in well under a second.
 
-  python benchmarks/readme_tables.py            # rewrite the tables in README.md
-  python benchmarks/readme_tables.py --check    # exit 1, naming the table and the first
-                                                # differing line, if README.md is stale
+  python benchmarks/readme_tables.py            # rewrite the tables and figures in README.md
+  python benchmarks/readme_tables.py --check    # exit 1, naming each stale table (and its first
+                                                # differing line) and the first stale figure
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
+import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import zip_longest
 from pathlib import Path
 
@@ -53,10 +73,13 @@ class _Sources:
         self._rows: dict[str, list[dict]] = {}
         self.used: dict[str, list[dict]] = {}
 
-    def row(self, name: str, **match) -> dict:
+    def rows(self, name: str) -> list[dict]:
         if name not in self._rows:
             self._rows[name] = _load(name, self.root)
-        row = _pick(self._rows[name], name, **match)
+        return self._rows[name]
+
+    def row(self, name: str, **match) -> dict:
+        row = _pick(self.rows(name), name, **match)
         self.used.setdefault(name, []).append(row)
         return row
 
@@ -266,16 +289,153 @@ def _span(text: str, name: str) -> tuple[int, int]:
     return start.end(), end.start()
 
 
+# --- the inline figures --------------------------------------------------------------------
+
+_FIG_OPEN = re.compile(r"<!-- fig:")
+_FIG = re.compile(r"<!-- fig:(?P<spec>[^\n]*?) -->(?P<text>[^\n]*?)<!-- /fig -->")
+_SUMMARY = re.compile(r"(?P<fn>median|each|diff_mean|diff_lo95|diff_hi95)\((?P<args>[^()]*)\)")
+_FORMATS: dict[str, Callable] = {"x": _x, "mib": _mib, "ms": _ms, "s": str}
+
+
+def _selection(text: str) -> dict[str, str]:
+    """``key=value&key=value`` as a dict; empty text selects every row."""
+    match = {}
+    for part in text.split("&") if text.strip() else []:
+        key, eq, value = part.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"selection {part!r} is not key=value")
+        match[key.strip()] = value.strip()
+    return match
+
+
+def _select(rows: list[dict], match: dict[str, str]) -> list[dict]:
+    """The rows whose every selected field is one of its |-separated values (JSON for non-text)."""
+
+    def ok(value, wanted: str) -> bool:
+        return (value if isinstance(value, str) else json.dumps(value)) in wanted.split("|")
+
+    return [r for r in rows if all(ok(r.get(k), v) for k, v in match.items())]
+
+
+def _get(row: dict, field: str, name: str):
+    if field not in row:
+        raise ValueError(f"{name}.jsonl has no field {field!r} in the row selected")
+    return row[field]
+
+
+def _format(value, fmt: str) -> str:
+    return _FORMATS[fmt](value) if fmt in _FORMATS else format(value, fmt)
+
+
+def figure(spec: str, src: _Sources) -> str:
+    """The text that the marker ``<!-- fig:SPEC -->`` stands for (see the module docstring)."""
+    parts = [p.strip() for p in spec.split(":")]
+    if len(parts) != 4:
+        raise ValueError("expected fig:FILE:SELECTION:VALUE:FORMAT")
+    name, selection, value, fmt = parts
+    match = _selection(selection)
+    every = src.rows(name)
+    rows = _select(every, match)
+    summary = _SUMMARY.fullmatch(value)
+    if summary is None:
+        if len(rows) != 1:
+            raise ValueError(f"{len(rows)} rows of {name}.jsonl match {match}, expected 1")
+        return _format(_get(rows[0], value, name), fmt)
+    if not rows:
+        raise ValueError(f"no row of {name}.jsonl matches {match}")
+    fn, args = summary["fn"], [a.strip() for a in summary["args"].split(",")]
+    if fn in ("median", "each"):
+        if len(args) != 1:
+            raise ValueError(f"{fn}() takes one field")
+        values = [_get(r, args[0], name) for r in rows]
+        if fn == "median":  # the finite values, as grad_fidelity.py summarizes them
+            return _format(statistics.median(v for v in values if math.isfinite(v)), fmt)
+        texts = sorted({_format(v, fmt) for v in values})
+        if len(texts) != 1:
+            raise ValueError(f"each({args[0]}) differs across the {len(rows)} rows: {texts}")
+        return texts[0]
+    if len(args) != 3:
+        raise ValueError(f"{fn}() takes (FIELD, KEY=BASE, BY)")
+    field, base, by = args
+    base_match = {**match, **_selection(base)}
+    base_rows = _select(every, base_match)
+    diffs = []
+    for r in rows:
+        pair = [b for b in base_rows if b.get(by) == r.get(by)]
+        if len(pair) != 1:
+            raise ValueError(f"{len(pair)} rows of {name}.jsonl match {base_match} with "
+                             f"{by}={r.get(by)!r}, expected 1")  # fmt: skip
+        diffs.append(_get(r, field, name) - _get(pair[0], field, name))
+    mean = statistics.mean(diffs)
+    if fn == "diff_mean":
+        return _format(mean, fmt)
+    if len(diffs) < 2:
+        raise ValueError(f"{fn}() needs two or more pairs")
+    half = 1.96 * statistics.stdev(diffs) / math.sqrt(len(diffs))  # as accuracy.py's diff_ci95
+    return _format(mean - half if fn == "diff_lo95" else mean + half, fmt)
+
+
+def _figures(
+    text: str, root: Path
+) -> Iterator[tuple[int, re.Match | None, str | None, str | None]]:
+    """(line, marker match, text the files give, error) for each figure marker, in order."""
+    src = _Sources(root)
+    for opened in _FIG_OPEN.finditer(text):
+        line = text[: opened.start()].count("\n") + 1
+        m = _FIG.match(text, opened.start())
+        if m is None:
+            yield line, None, None, "no <!-- /fig --> after this marker on its line"
+            continue
+        if not text[text.rfind("\n", 0, m.start()) + 1 : m.start()].strip():
+            # Markdown reads a line that opens with "<!--" as a raw HTML block, ending the paragraph
+            yield line, m, None, "begins its line; put a word of the sentence before it"
+            continue
+        try:
+            yield line, m, figure(m["spec"], src), None
+        except ValueError as e:
+            yield line, m, None, str(e)
+        except (TypeError, OSError) as e:  # a text field summarized, a file that is not there
+            yield line, m, None, f"{type(e).__name__}: {e}"
+
+
+def _figure_problem(line: int, m: re.Match | None, error: str) -> str:
+    marker = f"<!-- fig:{m['spec']} -->" if m else "<!-- fig:"
+    return f"figure at README.md line {line}, {marker}: {error}"
+
+
 def update(text: str, root: Path = ROOT) -> str:
-    """``text`` with every table replaced by what the results files give."""
+    """``text`` with every table and figure replaced by what the results files give."""
     for name in TABLES:
         a, b = _span(text, name)
         text = text[:a] + "\n".join(render(name, root)) + "\n" + text[b:]
-    return text
+    out, at = [], 0
+    for line, m, want, error in list(_figures(text, root)):
+        if error is not None:
+            raise ValueError(_figure_problem(line, m, error))
+        out += [text[at : m.start("text")], want]
+        at = m.end("text")
+    return "".join(out) + text[at:]
 
 
 def check(text: str, root: Path = ROOT) -> list[str]:
-    """One message per table whose lines in ``text`` differ from the files' (empty: all agree)."""
+    """One message per table whose lines in ``text`` differ from the files', then one for the
+    first figure that differs or cannot be computed (empty: all agree)."""
+    return _check_tables(text, root) + _check_figures(text, root)
+
+
+def _check_figures(text: str, root: Path) -> list[str]:
+    for line, m, want, error in _figures(text, root):
+        if error is not None:
+            return [_figure_problem(line, m, error)]
+        if m["text"] != want:
+            return [
+                f"figure differs from the results files at README.md line {line}:\n"
+                f"  marker: <!-- fig:{m['spec']} -->\n  README: {m['text']!r}\n  files:  {want!r}"
+            ]
+    return []
+
+
+def _check_tables(text: str, root: Path) -> list[str]:
     problems = []
     for name in TABLES:
         try:
@@ -315,14 +475,19 @@ def main(argv=None) -> int:
         for msg in problems:
             print(msg, file=sys.stderr)
         if not problems:
-            print(f"{args.readme}: {len(TABLES)} tables agree with {RESULTS}/")
+            n = len(_FIG_OPEN.findall(text))
+            print(f"{args.readme}: {len(TABLES)} tables and {n} figures agree with {RESULTS}/")
         return 1 if problems else 0
-    new = update(text)
+    try:
+        new = update(text)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 1
     if new != text:
         args.readme.write_text(new)
-        print(f"{args.readme}: tables rewritten")
+        print(f"{args.readme}: tables and figures rewritten")
     else:
-        print(f"{args.readme}: tables already up to date")
+        print(f"{args.readme}: tables and figures already up to date")
     return 0
 
 

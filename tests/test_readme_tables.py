@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import readme_tables
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,3 +61,73 @@ def test_check_command_exits_nonzero_on_a_stale_readme_without_importing_torch(t
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert proc.stdout.strip() == "EXIT 1 TORCH False", (proc.stdout, proc.stderr)
     assert "table 'deit' differs" in proc.stderr and "1,981" in proc.stderr
+
+
+# --- inline figures in the prose --------------------------------------------------------------
+
+EAGER_S = "<!-- fig:compile_speed_s:row=mesa int8:step_ratio:x -->1.47x<!-- /fig -->"
+
+
+def test_the_readme_has_inline_figures_and_they_match():
+    assert README.count("<!-- fig:") >= 25
+    assert README.count("<!-- fig:") == README.count("<!-- /fig -->")
+    assert EAGER_S in README  # DeiT-S eager step ratio in Limits, compile_speed_s.jsonl
+    assert readme_tables._check_figures(README, ROOT) == []
+
+
+def test_an_altered_inline_figure_fails_naming_it_and_its_line():
+    line = README[: README.index(EAGER_S)].count("\n") + 1
+    altered = README.replace(EAGER_S, EAGER_S.replace("1.47x", "1.48x"))
+    problems = readme_tables.check(altered)
+    assert len(problems) == 1, problems
+    msg = problems[0]
+    assert msg.startswith(f"figure differs from the results files at README.md line {line}:"), msg
+    assert "<!-- fig:compile_speed_s:row=mesa int8:step_ratio:x -->" in msg
+    assert "'1.48x'" in msg and "'1.47x'" in msg
+    assert readme_tables.update(altered) == README
+
+
+def test_a_summary_figure_is_checked_too():
+    # the paired accuracy difference: mean over 20 seeds of (int8 - plain), accuracy_digits_gpu
+    marker = "diff_mean(test_acc, config=plain, seed):+.2f -->-0.33<!-- /fig -->"
+    assert marker in README
+    problems = readme_tables.check(README.replace(marker, marker.replace("-0.33", "-0.34")))
+    assert len(problems) == 1 and "'-0.34'" in problems[0] and "'-0.33'" in problems[0]
+
+
+def test_a_selection_matching_no_row_fails_naming_the_marker():
+    bad = EAGER_S.replace("row=mesa int8", "row=mesa int9")
+    problems = readme_tables.check(README.replace(EAGER_S, bad))
+    assert len(problems) == 1, problems
+    assert "<!-- fig:compile_speed_s:row=mesa int9:step_ratio:x -->" in problems[0]
+    assert "0 rows of compile_speed_s.jsonl match {'row': 'mesa int9'}, expected 1" in problems[0]
+
+
+def test_a_selection_matching_several_rows_or_a_missing_close_fails():
+    several = EAGER_S.replace("row=mesa int8", "row=mesa int8|plain")
+    problems = readme_tables.check(README.replace(EAGER_S, several))
+    assert "2 rows of compile_speed_s.jsonl match" in problems[0], problems
+    unclosed = README.replace(EAGER_S, EAGER_S.replace("<!-- /fig -->", ""))
+    assert "no <!-- /fig -->" in readme_tables.check(unclosed)[0]
+
+
+def test_figure_formats_and_summaries():
+    src = readme_tables._Sources(ROOT)
+    fig = readme_tables.figure
+    assert fig("compile_speed_s_before_fix:row=mesa int8:activation_mib:mib", src) == "1,501"
+    assert fig("compile_speed_s_before_fix:row=mesa int8:step_ms:ms", src) == "53.9"
+    assert fig("compile_speed_s_before_fix:row=mesa int8:step_ms:.0f", src) == "54"
+    assert fig("deit_speed_gpu::each(torch):s", src) == "2.11.0+cu130"
+    assert fig("grad_fidelity_gpu:bits=8&rounding=nearest:median(sqnr_db):.1f", src) == "45.7"
+    lo = "accuracy_digits_gpu:config=mesa int8:diff_lo95(test_acc, config=plain, seed):+.2f"
+    assert fig(lo, src) == "-1.16"  # -0.33 - 1.96 s.e., as accuracy_digits_gpu.md
+    with pytest.raises(ValueError, match=r"each\(reduction\) differs across the 2 rows"):
+        fig("coverage_gpu:model=resnet50|convnext_tiny:each(reduction):x", src)
+
+
+def test_a_marker_that_begins_a_line_is_refused():
+    # Markdown would read such a line as a raw HTML block and break the paragraph
+    text = f"Speed:\n{EAGER_S} slower.\n"
+    problems = readme_tables._check_figures(text, ROOT)
+    assert len(problems) == 1 and "begins its line" in problems[0], problems
+    assert readme_tables._check_figures(f"Speed: {EAGER_S} slower.\n", ROOT) == []
