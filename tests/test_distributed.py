@@ -26,6 +26,7 @@ import gc
 import math
 import os
 import socket
+import sys
 
 import pytest
 import torch
@@ -276,8 +277,17 @@ def _worker(rank, world, port, out):
         if "fsdp-skipped" not in res:
             res.update(_train_deit_checks(os.path.dirname(out)))
         torch.save(res, f"{out}.{rank}")
-    finally:
+        dist.barrier()  # both ranks' results are written
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Once both results are written, end the process without the interpreter's teardown: one
+    # CI run of 2,260 tests saw rank 0 abort there ("terminate called without an active
+    # exception", after its results were saved) on a loaded machine, which failed every test
+    # of this module; what the tests check is in the results files.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
