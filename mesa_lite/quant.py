@@ -146,7 +146,7 @@ def quantize(
         if normalize is not None:
             raise ValueError("quant.quantize: normalize needs a compressed spec")
         return Packed(x, None, x.shape, x.dtype, spec, signed)
-    if torch.compiler.is_compiling() and COMPILE_FORM == "decomposed" and not spec.stochastic:
+    if torch.compiler.is_compiling() and _decomposed(spec, x.numel()):
         codes, scales = group_quant.quantize_ref(
             x, spec.group_size, signed, False, spec.bits, normalize
         )
@@ -167,7 +167,7 @@ def stored(p: Packed, dtype: torch.dtype, epilogue: tuple | None = None) -> torc
     if p.spec.exact:
         return p.codes.to(dtype)
     numel = _prod(p.shape)
-    if torch.compiler.is_compiling() and COMPILE_FORM == "decomposed":
+    if torch.compiler.is_compiling() and _decomposed(p.spec, numel):
         # The codes pass through unfold (a view: no copy, no kernel) so that the Inductor
         # partitioner counts them as materialized in backward: it then weighs them at their
         # size, not twice it, and keeps them for backward rather than a full-precision tensor
@@ -282,6 +282,16 @@ def _dequantize(codes, scales, group_size: int, dtype, bits: int, signed: bool, 
 # the compiled DeiT-S step was 2.0x the compiled plain one with them, see the README).
 # Stochastic rounding always takes the custom op (its seed is drawn on the host per call).
 COMPILE_FORM = "decomposed"
+
+
+def _decomposed(spec: QuantSpec, numel: int) -> bool:
+    """Whether quantize and dequantize take the decomposed form under compile: the default
+    form, at nearest rounding, for a tensor that is a whole number of groups (quantize and
+    dequantize decide alike). A partial last group takes the custom ops: Inductor's CPU code
+    for the padded reference gave garbage gradients there (torch 2.14; the loss was right;
+    ``test_inductor_with_a_partial_last_group_keeps_the_gradients``)."""
+    return COMPILE_FORM == "decomposed" and not spec.stochastic and numel % spec.group_size == 0
+
 
 # Under torch.compile the two kernels are custom ops (their annotations use typing.Optional,
 # which every torch version's schema inference reads): Dynamo records them as single calls
