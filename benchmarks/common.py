@@ -87,6 +87,12 @@ def check_device(p: argparse.ArgumentParser, device: str) -> None:
         p.error(f"--device {device}: no CUDA GPU is available here")
 
 
+def require_cuda(p: argparse.ArgumentParser, message: str = "needs a CUDA GPU") -> None:
+    """Exits with a usage error (``message``) on a machine without a CUDA GPU."""
+    if not torch.cuda.is_available():
+        p.error(message)
+
+
 def argument_parser(doc: str, prog: str | None = None) -> argparse.ArgumentParser:
     """A parser whose description is the script docstring's first paragraph and whose epilog
     (shown by --help) is the rest of it."""

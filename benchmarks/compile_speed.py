@@ -45,6 +45,7 @@ from .common import (
     lazy_import,
     markdown_table,
     positive_int,
+    require_cuda,
     torch_dtype,
 )
 
@@ -110,8 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU")
+    require_cuda(p)
     return args
 
 

@@ -39,6 +39,7 @@ from .common import (
     nonnegative_int,
     positive_int,
     progress,
+    require_cuda,
     say,
     torch_dtype,
 )
@@ -156,8 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        p.error("needs a GPU: the allocator history is a CUDA feature")
+    require_cuda(p, "needs a GPU: the allocator history is a CUDA feature")
     check_timm_models(p, args.models)
     return args
 

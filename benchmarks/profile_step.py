@@ -32,6 +32,7 @@ from .common import (
     lazy_import,
     positive_int,
     progress,
+    require_cuda,
     say,
     torch_dtype,
 )
@@ -82,8 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU")
+    require_cuda(p)
     if args.model not in LLM_MODELS:
         check_timm_models(p, args.model)
     return args

@@ -27,6 +27,7 @@ from .common import (
     markdown_table,
     positive_int,
     progress,
+    require_cuda,
 )
 
 torch = lazy_import("torch")
@@ -71,8 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU")
+    require_cuda(p)
     return args
 
 
