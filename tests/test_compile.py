@@ -294,11 +294,11 @@ def test_compiled_gpt2_with_dropout_on_the_cpu():
         assert sqnr_db(p.grad, q.grad) >= 30, (n, sqnr_db(p.grad, q.grad))
 
 
-def test_decomposed_quantization_traces_and_matches_eager(monkeypatch):
-    """``quant.COMPILE_FORM = "decomposed"``: quantize and dequantize trace as PyTorch ops (the
-    kernels' references) that Inductor may fuse; one graph, and the ViT's gradients equal
-    eager mode's bit for bit (at nearest rounding the reference's codes are the kernel's)."""
-    monkeypatch.setattr(quant, "COMPILE_FORM", "decomposed")
+def test_custom_op_quantization_traces_and_matches_eager(monkeypatch):
+    """``quant.COMPILE_FORM = "custom_op"`` (the default, "decomposed", is what the other
+    compile tests trace): quantize and dequantize trace as the opaque custom ops; one graph,
+    and the ViT's gradients equal eager mode's bit for bit (both run the same kernels)."""
+    monkeypatch.setattr(quant, "COMPILE_FORM", "custom_op")
     torch._dynamo.reset()
     eager = mesa_lite.wrap(MODELS["vit-fused"]())
     compiled_src = copy.deepcopy(eager)
