@@ -177,12 +177,23 @@ if HAS_TRITON:
 
     @triton.jit
     def _round_half_even(y):
-        # Exact for |y| < 2**22: y - floor(y) and the parity test involve no rounding.
-        r = tl.floor(y)
-        d = y - r
-        odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-        up = (d > 0.5) | ((d == 0.5) & odd)
-        return r + up.to(tl.float32)
+        # Exact for |y| < 2**22 (codes are clamped to |y| <= 255): y + 1.5 * 2**23 lies in
+        # [2**23, 2**24), where the fp32 spacing is 1, so the add itself rounds y to the
+        # nearest integer, ties to even; the subtraction is exact. Two adds, no multiply to
+        # contract into an FMA.
+        return (y + 12582912.0) - 12582912.0
+
+    @triton.jit
+    def _absmax_bits(a_bits, axis: tl.constexpr):
+        """The largest ``|x|`` of each row as fp32 bits, from ``|x|``'s bits (``x`` bits with
+        the sign cleared): for non-negative floats the bit patterns order as the values do,
+        and every NaN's is above +inf's (0x7F800000), so one integer max finds both the
+        absmax and whether the row holds a NaN."""
+        return tl.max(a_bits, axis=axis)
+
+    @triton.jit
+    def _abs_bits(x):
+        return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
     @triton.jit
     def _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM: tl.constexpr):
@@ -196,9 +207,11 @@ if HAS_TRITON:
         return x
 
     @triton.jit
-    def _scale_of(amax, has_nan, QMAX: tl.constexpr):
+    def _scale_of(amax_bits, QMAX: tl.constexpr):
+        """absmax / QMAX from the row's absmax bits (NaN where the row holds a NaN)."""
+        amax = amax_bits.to(tl.float32, bitcast=True)
         scale = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
-        return tl.where(has_nan > 0, float("nan"), scale)
+        return tl.where(amax_bits > 0x7F800000, float("nan"), scale)
 
     @triton.jit
     def _group_scales(
@@ -207,17 +220,14 @@ if HAS_TRITON:
     ):  # fmt: skip
         """absmax / QMAX per group (NaN where the group holds NaN)."""
         cols = tl.arange(0, BLOCK)
-        amax = tl.zeros([ROWS], dtype=tl.float32)
-        has_nan = tl.zeros([ROWS], dtype=tl.int32)
+        amax_bits = tl.zeros([ROWS], dtype=tl.int32)
         for start in range(0, group_size, BLOCK):
             c = start + cols
             offs = base[:, None] + c[None, :]
             mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
-            a = tl.abs(_load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM))
-            is_nan = a != a
-            has_nan = tl.maximum(has_nan, tl.max(is_nan.to(tl.int32), axis=1))
-            amax = tl.maximum(amax, tl.max(tl.where(is_nan, 0.0, a), axis=1))
-        return _scale_of(amax, has_nan, QMAX)
+            x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
+            amax_bits = tl.maximum(amax_bits, _absmax_bits(_abs_bits(x), 1))
+        return _scale_of(amax_bits, QMAX)
 
     @triton.jit
     def _codes(x, finite, safe, offs, seed, QMIN: tl.constexpr, QMAX: tl.constexpr,
@@ -264,11 +274,7 @@ if HAS_TRITON:
             offs = base[:, None] + cols[None, :]
             mask = row_ok[:, None] & (cols[None, :] < group_size) & (offs < n)
             x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
-            a = tl.abs(x)
-            is_nan = a != a
-            has_nan = tl.max(is_nan.to(tl.int32), axis=1)
-            amax = tl.max(tl.where(is_nan, 0.0, a), axis=1)
-            scale = _scale_of(amax, has_nan, QMAX)
+            scale = _scale_of(_absmax_bits(_abs_bits(x), 1), QMAX)
             tl.store(scales_ptr + rows, scale, mask=row_ok)
             finite = ((scale > 0.0) & (scale < float("inf")))[:, None]
             safe = tl.where(finite, scale[:, None], 1.0)
@@ -560,13 +566,17 @@ def quantize_ref(
             torch.empty(0, dtype=torch.float32, device=x.device),
         )
     qmin, qmax = qrange(signed, bits)
-    xp = torch.nn.functional.pad(xf, (0, ng * group_size - n)).view(ng, group_size)
-    a = xp.abs()
-    is_nan = torch.isnan(a)
-    amax = torch.where(is_nan, 0.0, a).amax(dim=1)
+    pad = ng * group_size - n
+    # 2-D (groups, group_size) throughout: under torch.compile Inductor then makes one kernel of
+    # the group reduction and the codes
+    xp = (torch.nn.functional.pad(xf, (0, pad)) if pad else xf).view(ng, group_size)
+    # One integer max finds each group's absmax and its NaNs: |x|'s bits order as the values
+    # do, and every NaN's lie above +inf's (0x7F800000); the kernel does the same.
+    amax_bits = torch.bitwise_and(xp.view(torch.int32), 0x7FFFFFFF).amax(dim=1)
+    amax = amax_bits.view(torch.float32)
     # Tensor-by-tensor division: CUDA turns division by a Python scalar into a reciprocal multiply.
     scale = amax / torch.full_like(amax, qmax)
-    scale = torch.where(is_nan.any(dim=1), float("nan"), scale)
+    scale = torch.where(amax_bits > 0x7F800000, float("nan"), scale)
     finite = (scale > 0) & (scale < float("inf"))
     safe = torch.where(finite, scale, 1.0)
     y = xp / safe[:, None].expand_as(xp)
@@ -579,9 +589,11 @@ def quantize_ref(
         q = torch.floor(y + torch.rand(y.shape, generator=gen, device=y.device, dtype=y.dtype))
     else:
         q = torch.round(y)
-    q = q.clamp_(qmin, qmax).view(-1)[:n]
+    q = q.clamp_(qmin, qmax)
     if bits == 8:
-        return q.to(code_dtype), scale
+        codes = q.to(code_dtype).view(-1)
+        return (codes[:n] if pad else codes), scale
+    q = q.view(-1)[:n]
     k = per_byte(bits)
     stored = torch.nn.functional.pad((q - qmin).to(torch.int32), (0, (-n) % k)).view(-1, k)
     shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=x.device)
