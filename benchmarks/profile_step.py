@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", choices=["amp", "mesa"], default=["amp", "mesa"],
                    help="amp = plain training, mesa = wrapped with the default Config")  # fmt: skip
     p.add_argument("--rows", type=positive_int, default=18, help="rows of each profiler table")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each timm model (a fresh graph per mode)")  # fmt: skip
     add_out_argument(p, "profile_step", "PREFIX.txt")
     return p
 
@@ -130,6 +132,9 @@ def run(argv=None) -> str:
             step = _llm_stepper(args, mode)
         else:
             model = make_model(args.model, args.attention, mode, 224).cuda()
+            if args.compile:  # compiled graphs are shared by class: a fresh one per mode
+                torch._dynamo.reset()
+                model = torch.compile(model)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
             step = functools.partial(_train_step, model, opt, scaler, x, y, dtype)
