@@ -571,12 +571,11 @@ def quantize_ref(
     # the group reduction and the codes
     xp = (torch.nn.functional.pad(xf, (0, pad)) if pad else xf).view(ng, group_size)
     # One integer max finds each group's absmax and its NaNs: |x|'s bits order as the values
-    # do, and every NaN's lie above +inf's (0x7F800000); the kernel does the same.
-    amax_bits = torch.bitwise_and(xp.view(torch.int32), 0x7FFFFFFF).amax(dim=1)
-    amax = amax_bits.view(torch.float32)
+    # do, and every NaN's lie above +inf's (0x7F800000), so a group holding a NaN gets a NaN
+    # bit pattern, a NaN absmax and a NaN scale; the kernel does the same.
+    amax = torch.bitwise_and(xp.view(torch.int32), 0x7FFFFFFF).amax(dim=1).view(torch.float32)
     # Tensor-by-tensor division: CUDA turns division by a Python scalar into a reciprocal multiply.
     scale = amax / torch.full_like(amax, qmax)
-    scale = torch.where(amax_bits > 0x7F800000, float("nan"), scale)
     finite = (scale > 0) & (scale < float("inf"))
     safe = torch.where(finite, scale, 1.0)
     y = xp / safe[:, None].expand_as(xp)
