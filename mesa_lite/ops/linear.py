@@ -69,6 +69,11 @@ class LinearFn(torch.autograd.Function):
         return *grads, None, None, None
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` folded to 2-D, (rows, features)."""
+    return x.reshape(-1, x.shape[-1])
+
+
 def linear_backward(grad, rebuild_x, weight, dtype, x_col_major: bool, needs, w_dtype, b_dtype):
     """``F.linear``'s gradients (input, weight, bias; None where ``needs`` is False), as
     torch's own backward computes them.
@@ -84,14 +89,15 @@ def linear_backward(grad, rebuild_x, weight, dtype, x_col_major: bool, needs, w_
     """
     g2 = grad.reshape(-1, grad.shape[-1])
     grad_x = grad_w = grad_b = None
+    # the weight's gradient first: the rebuilt input is freed before the input's gradient,
+    # of the same size, is allocated
+    if needs[1]:
+        grad_w = cast(g2.t() @ _rows(rebuild_x()), w_dtype)
     if needs[0]:
         w = autocast_cast(weight, dtype)
         # as torch's mm backward: a column-major input gets its gradient computed transposed
         gx = (w.t() @ g2.t()).t() if x_col_major else g2 @ w
         grad_x = gx.reshape(*grad.shape[:-1], w.shape[1])
-    if needs[1]:
-        x = rebuild_x()
-        grad_w = cast(g2.t() @ x.reshape(-1, x.shape[-1]), w_dtype)
     if b_dtype is not None and needs[2]:
         grad_b = cast(g2.sum(0), b_dtype)
     return grad_x, grad_w, grad_b
@@ -129,14 +135,14 @@ def addmm_backward(grad, rebuild_x, weight, dtype, x_col_major: bool, w_col_majo
     whether the weight (in, out) is column-major (its gradient is then too)."""
     g2 = grad.reshape(-1, grad.shape[-1])
     gx = gw = gb = None
+    if needs[1]:  # mm_mat2_backward, first as in linear_backward
+        x2 = _rows(rebuild_x())
+        gw = cast(g2.t().mm(x2).t() if w_col_major else x2.t().mm(g2), w_dtype)
+        del x2
     if needs[0]:  # mm_mat1_backward
         w = autocast_cast(weight, dtype)
         gx = (w.mm(g2.t())).t() if x_col_major else g2.mm(w.t())
         gx = gx.reshape(*grad.shape[:-1], w.shape[0])
-    if needs[1]:  # mm_mat2_backward
-        x = rebuild_x()
-        x2 = x.reshape(-1, x.shape[-1])
-        gw = cast(g2.t().mm(x2).t() if w_col_major else x2.t().mm(g2), w_dtype)
     if b_dtype is not None and needs[2]:
         gb = cast(g2.sum(0), b_dtype)
     return gx, gw, gb
