@@ -4,9 +4,14 @@ PyTorch's own compile-time options, in one process, as the median of interleaved
 Rows (each a full AdamW step under autocast, one model per row, all alive at once; ``--rows``):
   plain / mesa int8                   the model as built, and wrapped (default Config), eager;
   plain compiled                      torch.compile(model);
-  mesa int8 compiled, custom_op       quantize/dequantize as opaque custom ops (Triton);
-  mesa int8 compiled, decomposed      quantize/dequantize as PyTorch ops Inductor fuses (the
-                                      default, ``mesa_lite.quant.COMPILE_FORM``);
+  mesa int8 compiled, custom_op       mesa_lite.compile(model), quantize/dequantize as opaque
+                                      custom ops (Triton);
+  mesa int8 compiled, decomposed      mesa_lite.compile(model), quantize/dequantize as PyTorch
+                                      ops Inductor fuses (the default,
+                                      ``mesa_lite.quant.COMPILE_FORM``);
+  mesa int8 compiled, decomposed, Inductor defaults
+                                      plain torch.compile(model) of the wrapped model (Inductor's
+                                      reorder_for_peak_memory on, see mesa_lite/compiling.py);
   plain compiled, activation_memory_budget 0.5 / 0.2
                                       the partitioner's selective recomputation;
   plain compiled, Inductor fp8 activations
@@ -52,6 +57,7 @@ from .common import (
 torch = lazy_import("torch")
 F = lazy_import("torch.nn.functional")
 quant = lazy_import("mesa_lite.quant")
+mesa_lite = lazy_import("mesa_lite")
 
 MIB = 2**20
 FP8_PASS = {"quant_type": "torch.float8_e5m2", "size_in_mb": 1, "use_scaling": True,
@@ -71,6 +77,8 @@ ROWS = {
         "mesa", "default", "custom_op", None, (), "plain compiled"),
     "mesa int8 compiled, decomposed": (
         "mesa", "default", "decomposed", None, (), "plain compiled"),
+    "mesa int8 compiled, decomposed, Inductor defaults": (
+        "mesa", "default", "decomposed", _OWN[2], (), "plain compiled"),
     "plain compiled, activation_memory_budget 0.5": (
         "amp", "default", None, _OWN[0], (("activation_memory_budget", 0.5),),
         "plain compiled"),
@@ -122,8 +130,13 @@ class _Row:
         from .deit_memory import make_model
 
         model = make_model(model_name, "fused", mode, 224).cuda()
+        # wrapped models compile through mesa_lite.compile (its Inductor options), except
+        # the row that shows plain torch.compile with Inductor's defaults
+        fn = mesa_lite.compile if mode == "mesa" and "Inductor defaults" not in name else None
         if compile_mode is None:
             self.model = model
+        elif fn is not None:
+            self.model = fn(model, mode=compile_mode, options=options)
         elif options is None:
             self.model = torch.compile(model, mode=compile_mode)
         else:  # mode and options do not go together

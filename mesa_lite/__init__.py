@@ -2,6 +2,7 @@
 
 import mesa_lite
 mesa_lite.wrap(model)   # in place; forward unchanged, backward from int8 copies
+model = mesa_lite.compile(model)   # torch.compile, with the Inductor options it needs
 
 The names below are loaded on first use (PEP 562), so ``import mesa_lite`` alone imports
 neither torch nor timm: command-line tools built on it answer ``--help`` at once.
@@ -20,6 +21,8 @@ __version__ = "0.1.0"
 _WHERE = {
     "LAYER_KINDS": "mesa_lite.config",
     "Config": "mesa_lite.config",
+    "INDUCTOR_OPTIONS": "mesa_lite.compiling",
+    "compile": "mesa_lite.compiling",
     "QuantSpec": "mesa_lite.config",
     "GELU": "mesa_lite.modules",
     "LayerNorm": "mesa_lite.modules",
@@ -45,6 +48,7 @@ __all__ = sorted([*_WHERE, "__version__"])
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads these
     from mesa_lite import report  # noqa: F401
     from mesa_lite.breakdown import MemoryBreakdown, memory_breakdown  # noqa: F401
+    from mesa_lite.compiling import INDUCTOR_OPTIONS, compile  # noqa: F401
     from mesa_lite.config import LAYER_KINDS, Config, QuantSpec  # noqa: F401
     from mesa_lite.kernels.group_quant import rounding_state, set_rounding_state  # noqa: F401
     from mesa_lite.modules import GELU, LayerNorm, Linear, MatMul, Softmax  # noqa: F401

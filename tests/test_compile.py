@@ -313,3 +313,46 @@ def test_custom_op_quantization_traces_and_matches_eager(monkeypatch):
     for (n, p), q in zip(eager.named_parameters(), compiled_src.parameters(), strict=True):
         assert_equal(q.grad, p.grad, n)
     torch._dynamo.reset()  # the traced form is guarded on COMPILE_FORM: start the next afresh
+
+
+def test_mesa_lite_compile_turns_off_inductor_peak_memory_reordering(monkeypatch):
+    """``mesa_lite.compile``: Inductor's ``reorder_for_peak_memory`` runs for neither the
+    forward nor the backward graph of the wrapped model (plain ``torch.compile`` runs it for
+    both), a mode is merged into the options, and the gradients equal plain torch.compile's
+    within the int8 floor (the same graphs in another order)."""
+    import torch._inductor.memory as inductor_memory
+
+    calls = []
+    original = inductor_memory.reorder_for_peak_memory
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(inductor_memory, "reorder_for_peak_memory", counting)
+    # a cached graph (an earlier test's, or an earlier run's) skips the scheduler
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    torch.manual_seed(0)
+    base = mesa_lite.wrap(
+        torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    )
+    x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(0))
+    grads = []
+    for fn in (torch.compile, mesa_lite.compile):
+        torch._dynamo.reset()
+        calls.clear()
+        model = copy.deepcopy(base)
+        fn(model, fullgraph=True)(x).square().sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+        assert len(calls) == (2 if fn is torch.compile else 0), (fn, len(calls))
+    for g0, g1 in zip(*grads, strict=True):
+        assert sqnr_db(g0, g1) >= 30
+    assert mesa_lite.INDUCTOR_OPTIONS == {"reorder_for_peak_memory": False}
+    seen = {}
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: seen.update(kw) or m)
+    mesa_lite.compile(base, mode="max-autotune-no-cudagraphs", options={"trace.enabled": False})
+    assert seen["options"]["max_autotune"] is True
+    assert seen["options"]["reorder_for_peak_memory"] is False
+    assert seen["options"]["trace.enabled"] is False and "mode" not in seen
+    mesa_lite.compile(base, backend="aot_eager", mode="default")
+    assert seen == {"backend": "aot_eager", "mode": "default", "options": None}
