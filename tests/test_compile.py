@@ -330,21 +330,22 @@ def test_mesa_lite_compile_turns_off_inductor_peak_memory_reordering(monkeypatch
         return original(*args, **kwargs)
 
     monkeypatch.setattr(inductor_memory, "reorder_for_peak_memory", counting)
-    # a cached graph (an earlier test's, or an earlier run's) skips the scheduler
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
     torch.manual_seed(0)
     base = mesa_lite.wrap(
         torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
     )
     x = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(0))
     grads = []
-    for fn in (torch.compile, mesa_lite.compile):
-        torch._dynamo.reset()
-        calls.clear()
-        model = copy.deepcopy(base)
-        fn(model, fullgraph=True)(x).square().sum().backward()
-        grads.append([p.grad for p in model.parameters()])
-        assert len(calls) == (2 if fn is torch.compile else 0), (fn, len(calls))
+    # no cached graph (an earlier test's or run's): a cache hit skips the scheduler. The
+    # config's own patch: monkeypatch's undo would delete the config entry.
+    with torch._inductor.config.patch(force_disable_caches=True):
+        for fn in (torch.compile, mesa_lite.compile):
+            torch._dynamo.reset()
+            calls.clear()
+            model = copy.deepcopy(base)
+            fn(model, fullgraph=True)(x).square().sum().backward()
+            grads.append([p.grad for p in model.parameters()])
+            assert len(calls) == (2 if fn is torch.compile else 0), (fn, len(calls))
     for g0, g1 in zip(*grads, strict=True):
         assert sqnr_db(g0, g1) >= 30
     assert mesa_lite.INDUCTOR_OPTIONS == {"reorder_for_peak_memory": False}
