@@ -21,6 +21,10 @@ __version__ = "0.1.0"
 _WHERE = {
     "LAYER_KINDS": "mesa_lite.config",
     "Config": "mesa_lite.config",
+    "Conv1d": "mesa_lite.modules",
+    "Conv2d": "mesa_lite.modules",
+    "Conv3d": "mesa_lite.modules",
+    "DEFAULT_LAYERS": "mesa_lite.config",
     "INDUCTOR_OPTIONS": "mesa_lite.compiling",
     "compile": "mesa_lite.compiling",
     "QuantSpec": "mesa_lite.config",
@@ -49,9 +53,18 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads t
     from mesa_lite import report  # noqa: F401
     from mesa_lite.breakdown import MemoryBreakdown, memory_breakdown  # noqa: F401
     from mesa_lite.compiling import INDUCTOR_OPTIONS, compile  # noqa: F401
-    from mesa_lite.config import LAYER_KINDS, Config, QuantSpec  # noqa: F401
+    from mesa_lite.config import DEFAULT_LAYERS, LAYER_KINDS, Config, QuantSpec  # noqa: F401
     from mesa_lite.kernels.group_quant import rounding_state, set_rounding_state  # noqa: F401
-    from mesa_lite.modules import GELU, LayerNorm, Linear, MatMul, Softmax  # noqa: F401
+    from mesa_lite.modules import (  # noqa: F401
+        GELU,
+        Conv1d,
+        Conv2d,
+        Conv3d,
+        LayerNorm,
+        Linear,
+        MatMul,
+        Softmax,
+    )
     from mesa_lite.report import MemoryReport, memory_report  # noqa: F401
     from mesa_lite.wrap import register, supported_layers, unwrap, wrap, wrapped_modules  # noqa: F401
 

@@ -13,8 +13,12 @@ from typing import Any
 
 LAYER_KINDS: tuple[str, ...] = (
     "linear", "gelu", "softmax", "layernorm", "matmul", "attention",
-    "silu", "rmsnorm", "dropout", "loss",
+    "silu", "rmsnorm", "dropout", "loss", "conv",
 )  # fmt: skip
+# Config.layers' default: every kind but those still opt-in ("conv": convolutions, new, not yet
+# measured on a GPU; Config(layers=DEFAULT_LAYERS | {"conv"}) turns them on)
+OPT_IN_KINDS: frozenset[str] = frozenset({"conv"})
+DEFAULT_LAYERS: frozenset[str] = frozenset(LAYER_KINDS) - OPT_IN_KINDS
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 SUPPORTED_BITS: tuple[int, ...] = (8, 4, 2)
 # Config.checkpoint's structural modes (mesa_lite.checkpoint.find_units)
@@ -153,7 +157,8 @@ class Config:
             multiple of 2 at 4 bits and of 4 at 2 bits).
         rounding: "nearest" or "stochastic"; None (the default) picks nearest at 8 bits and
             stochastic below, per layer.
-        layers: which layer kinds to wrap, a subset of ``LAYER_KINDS``.
+        layers: which layer kinds to wrap, a subset of ``LAYER_KINDS``; by default
+            ``DEFAULT_LAYERS``, every kind but the opt-in ``"conv"``.
         overrides: per-module settings, ``{name_or_glob: {field: value}}`` with fields
             ``bits``, ``group_size``, ``rounding`` and ``enabled`` (False leaves that module
             exact). Names are those of ``model.named_modules()``; fnmatch globs are allowed.
@@ -178,7 +183,7 @@ class Config:
     bits: int = 8
     group_size: int = 128
     rounding: str | None = None
-    layers: frozenset[str] = frozenset(LAYER_KINDS)
+    layers: frozenset[str] = DEFAULT_LAYERS
     overrides: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=FrozenMap)
     debug_exact: bool = False
     checkpoint: str | tuple[str, ...] | None = None

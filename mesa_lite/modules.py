@@ -19,6 +19,7 @@ from mesa_lite.config import QuantSpec
 from mesa_lite.ops.activation import activation, silu_grad
 from mesa_lite.ops.attention import scaled_dot_product_attention, sdpa_backends_enabled
 from mesa_lite.ops.common import in_functorch_transform, needs_grad
+from mesa_lite.ops.conv import conv, same_padding
 from mesa_lite.ops.dropout import dropout
 from mesa_lite.ops.gelu import gelu
 from mesa_lite.ops.layer_norm import layer_norm
@@ -256,6 +257,51 @@ class Linear(MesaModule, nn.Linear):
         if not self._mesa_active(x, weight, self.bias):
             return F.linear(x, weight, self.bias)
         return linear(x, weight, self.bias, self.mesa_spec)
+
+
+class _ConvNd(MesaModule):
+    """``nn.Conv1d/2d/3d`` keeping its (autocast-cast) input compressed (``ops/conv.py``):
+    any stride, dilation, groups (depthwise too), padding mode and channels-last input.
+    ``padding="same"`` that torch pads unevenly runs the plain op."""
+
+    mesa_kind = "conv"
+    _mesa_nd: ClassVar[int] = 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight  # once: a parametrized weight is computed on each access
+        if not self._mesa_active(x, weight, self.bias):
+            return self._conv_forward(x, weight, self.bias)
+        nd = self._mesa_nd
+        padding = self.padding
+        if self.padding_mode != "zeros":  # as nn.ConvNd._conv_forward: pad, then no padding
+            x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            padding = (0,) * nd
+        elif padding == "valid":
+            padding = (0,) * nd
+        elif padding == "same":
+            padding = same_padding(self.kernel_size, self.dilation)
+            if padding is None:
+                return self._conv_forward(x, weight, self.bias)
+        return conv(x, weight, self.bias, nd, self.stride, padding, self.dilation, self.groups,
+                    self.mesa_spec)  # fmt: skip
+
+
+class Conv1d(_ConvNd, nn.Conv1d):
+    """``nn.Conv1d`` keeping its input compressed."""
+
+    _mesa_nd = 1
+
+
+class Conv2d(_ConvNd, nn.Conv2d):
+    """``nn.Conv2d`` keeping its input compressed."""
+
+    _mesa_nd = 2
+
+
+class Conv3d(_ConvNd, nn.Conv3d):
+    """``nn.Conv3d`` keeping its input compressed."""
+
+    _mesa_nd = 3
 
 
 class GELU(MesaModule, nn.GELU):

@@ -27,9 +27,12 @@ import torch.nn as nn
 
 from mesa_lite import checkpoint as _ckpt
 from mesa_lite import recognize
-from mesa_lite.config import CHECKPOINT_INNER, LAYER_KINDS, Config, QuantSpec
+from mesa_lite.config import CHECKPOINT_INNER, LAYER_KINDS, OPT_IN_KINDS, Config, QuantSpec
 from mesa_lite.modules import (
     GELU,
+    Conv1d,
+    Conv2d,
+    Conv3d,
     Dropout,
     FusedBlock,
     LayerNorm,
@@ -66,6 +69,10 @@ _REGISTRY: dict[type, _Entry] = {
     nn.LayerNorm: _Entry(LayerNorm, "layernorm"),
     nn.SiLU: _Entry(SiLU, "silu"),
     nn.Dropout: _Entry(Dropout, "dropout", applies=lambda m: 0 < m.p < 1),
+    # opt-in kind (config.OPT_IN_KINDS): converted only when Config.layers names "conv"
+    nn.Conv1d: _Entry(Conv1d, "conv"),
+    nn.Conv2d: _Entry(Conv2d, "conv"),
+    nn.Conv3d: _Entry(Conv3d, "conv"),
 }
 if hasattr(nn, "RMSNorm"):
     _REGISTRY[nn.RMSNorm] = _Entry(RMSNorm, "rmsnorm")
@@ -236,6 +243,8 @@ def _plan(
     registered, entry = found
     if entry.applies is not None and not entry.applies(module):
         return None
+    if entry.kind in OPT_IN_KINDS and entry.kind not in config.layers:
+        return None  # an opt-in kind the config does not name: not wrap's business
     spec = config.spec_for(name, entry.kind)
     if spec is None or (filter_fn is not None and not filter_fn(name, module)):
         return _Plan(entry.kind)  # left exact by config
@@ -374,8 +383,9 @@ def _wrap(model, config, filter_fn):
     if not converted and not built and not exact:
         warnings.warn(
             f"mesa_lite.wrap: {type(model).__name__} has no supported layers (mesa_lite "
-            f"compresses {', '.join(LAYER_KINDS)}; mesa_lite.supported_layers() lists the "
-            "classes); it is returned unchanged",
+            f"compresses {', '.join(k for k in LAYER_KINDS if k not in OPT_IN_KINDS)}; "
+            f"opt-in: {', '.join(sorted(OPT_IN_KINDS))}; mesa_lite.supported_layers() lists "
+            "the classes); it is returned unchanged",
             stacklevel=2,
         )
     by_proof, not_fused = _fuse_blocks(model)

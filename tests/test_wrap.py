@@ -162,8 +162,8 @@ def test_config_errors_name_the_field():
         Config(group_size="128")
     with pytest.raises(ValueError, match=r"rounding must be one of \['nearest', 'stochastic'\]"):
         Config(rounding="floor")
-    with pytest.raises(ValueError, match=r"layers has unknown kinds \['conv'\]"):
-        Config(layers={"linear", "conv"})
+    with pytest.raises(ValueError, match=r"layers has unknown kinds \['convolution'\]"):
+        Config(layers={"linear", "convolution"})
     with pytest.raises(TypeError, match="layers must be a set"):
         Config(layers="linear")
     with pytest.raises(ValueError, match=r"overrides\['fc1'\] has unknown fields \['bitz'\]"):
@@ -196,6 +196,7 @@ def test_no_supported_layers_warns_and_returns_unchanged():
     assert out is net and not any(isinstance(m, MesaModule) for m in net.modules())
     message = str(caught[0].message)
     assert "linear, gelu, softmax, layernorm" in message and "supported_layers()" in message
+    assert "opt-in: conv;" in message
     assert "\n" not in message and len(message) < 250, message
     listed = mesa_lite.supported_layers()
     assert len(listed) == len(set(listed))

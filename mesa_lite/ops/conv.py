@@ -1,0 +1,131 @@
+"""Convolution: ``F.conv1d/2d/3d`` keeping its (autocast-cast) input compressed; the weight is
+kept as the Parameter itself (as in ``ops/linear.py``).
+
+A channels-last input is kept in its memory order (the codes of ``x.permute(0, 2, ..., 1)``)
+and rebuilt as a channels-last tensor, so backward runs on the layout torch's own backward
+sees, with no copy. The gradients are ``aten.convolution_backward``'s, called as torch's
+``ConvolutionBackward0`` calls it: bit for bit torch's with ``debug_exact``. A frozen
+convolution keeps no input, where torch keeps it whenever the op records a backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mesa_lite import quant
+from mesa_lite.config import QuantSpec
+from mesa_lite.ops.common import (
+    autocast_cast,
+    autocast_dtype,
+    cast,
+    first_order_only,
+    fresh,
+    keep,
+    plain_under_functorch,
+    register_probe,
+)
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+for _nd, _fn in _CONV.items():
+    register_probe(
+        f"conv{_nd}d",
+        2,
+        lambda a, b, fn=_fn, nd=_nd: fn(a.view((1,) * (nd + 2)), b.view((1,) * (nd + 2))),
+    )
+
+
+def _channels_last_perm(x: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation that makes a channels-last ``x`` contiguous (N, spatial..., C); None for
+    a contiguous ``x`` or any other layout (kept in row-major order)."""
+    if x.dim() < 4 or x.is_contiguous():
+        return None
+    perm = (0, *range(2, x.dim()), 1)
+    return perm if x.permute(perm).is_contiguous() else None
+
+
+def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return tuple(inv)
+
+
+class ConvFn(torch.autograd.Function):
+    """``F.convNd`` keeping the compressed input. ``cfg``: ``(nd, stride, padding, dilation,
+    groups, dtype)``, ``padding`` as ints, ``dtype`` autocast's cast target for the weight and
+    bias (None: no cast). The input is kept only when the weight needs grad, the weight only
+    when the input does."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, cfg, spec: QuantSpec, shares=(None,)):
+        nd, stride, padding, dilation, groups, dtype = cfg
+        out = _CONV[nd](
+            x, autocast_cast(weight, dtype), autocast_cast(bias, dtype), stride, padding,
+            dilation, groups,
+        )  # fmt: skip
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        px = None
+        ctx.perm = None
+        if need_w:
+            ctx.perm = _channels_last_perm(x)
+            if ctx.perm is None:
+                px = keep(x, spec, share_key=shares[0])
+            else:
+                px = quant.quantize(x.permute(ctx.perm), spec)
+        quant.save(ctx, px, weight if need_x else None)
+        ctx.cfg = cfg
+        ctx.x_meta = (x.shape, x.stride(), x.dtype)
+        ctx.w_meta = (weight.shape, weight.stride(), weight.dtype)
+        ctx.b_meta = None if bias is None else (bias.shape[0], bias.dtype)
+        return fresh(out)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        px, weight = quant.load(ctx)
+        nd, stride, padding, dilation, groups, dtype = ctx.cfg
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        x_shape, x_stride, x_dtype = ctx.x_meta
+        w_shape, w_stride, w_dtype = ctx.w_meta
+        if need_w:
+            x = quant.dequantize(px, x_dtype)
+            if ctx.perm is not None:
+                x = x.permute(_inverse(ctx.perm))
+        else:  # only its shape and layout are read
+            x = grad.new_empty_strided(x_shape, x_stride, dtype=x_dtype)
+        if need_x:
+            w = autocast_cast(weight, dtype)
+        else:
+            w = grad.new_empty_strided(w_shape, w_stride, dtype=dtype or w_dtype)
+        bias_sizes = None if ctx.b_meta is None else [ctx.b_meta[0]]
+        gx, gw, gb = torch.ops.aten.convolution_backward(
+            grad, x, w, bias_sizes, list(stride), list(padding), list(dilation), False,
+            [0] * nd, groups, [need_x, need_w, bool(need_b and ctx.b_meta is not None)],
+        )  # fmt: skip
+        gw = None if gw is None else cast(gw, w_dtype)
+        gb = None if gb is None else cast(gb, ctx.b_meta[1])
+        return gx, gw, gb, None, None, None
+
+
+def same_padding(kernel_size, dilation) -> tuple[int, ...] | None:
+    """``padding="same"`` as ints when it is symmetric in every dim (torch then runs the int
+    form); None when torch pads one side more (the plain op runs)."""
+    out = []
+    for k, d in zip(kernel_size, dilation, strict=True):
+        total = d * (k - 1)
+        if total % 2:
+            return None
+        out.append(total // 2)
+    return tuple(out)
+
+
+def conv(x, weight, bias, nd: int, stride, padding, dilation, groups: int, spec: QuantSpec):
+    """``F.conv{nd}d(x, weight, bias, stride, padding, dilation, groups)`` (int padding),
+    keeping the input compressed for the weight's gradient."""
+    fn = _CONV[nd]
+    if plain_under_functorch("Conv"):
+        return fn(x, weight, bias, stride, padding, dilation, groups)
+    dtype = autocast_dtype(f"conv{nd}d", x.device)
+    cfg = (nd, tuple(stride), tuple(padding), tuple(dilation), groups, dtype)
+    return ConvFn.apply(autocast_cast(x, dtype), weight, bias, cfg, spec, (x,))

@@ -1,0 +1,199 @@
+"""Convolutions (``mesa_lite.Conv1d/2d/3d``, the opt-in layer kind ``"conv"``): forward bit for
+bit torch's, gradients bit for bit with ``debug_exact``, the weight's gradient within the int8
+floor compressed (the input's and bias's never read the kept input: exact), what is kept, the
+layouts and padding forms, torch.compile, and the opt-in switch."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import assert_equal, saved_activation_bytes, sqnr_db
+
+import mesa_lite
+
+CONV = mesa_lite.Config(layers=mesa_lite.DEFAULT_LAYERS | {"conv"})
+EXACT = mesa_lite.Config(layers=mesa_lite.DEFAULT_LAYERS | {"conv"}, debug_exact=True)
+
+# name: (module factory, input shape)
+CASES = {
+    "conv1d": (lambda: nn.Conv1d(4, 6, 3, padding=1), (2, 4, 20)),
+    "conv2d-stride": (lambda: nn.Conv2d(4, 6, 3, stride=2, padding=1), (2, 4, 12, 12)),
+    "conv2d-groups-dilation-nobias": (
+        lambda: nn.Conv2d(4, 8, 3, padding=2, dilation=2, groups=2, bias=False),
+        (2, 4, 11, 9),
+    ),
+    "depthwise": (lambda: nn.Conv2d(8, 8, 3, padding=1, groups=8), (2, 8, 10, 10)),
+    "conv3d": (lambda: nn.Conv3d(2, 4, 3, padding=1), (1, 2, 6, 5, 6)),
+    "reflect": (lambda: nn.Conv2d(4, 6, 3, padding=1, padding_mode="reflect"), (2, 4, 9, 9)),
+    "circular": (lambda: nn.Conv1d(4, 6, 5, padding=2, padding_mode="circular"), (2, 4, 16)),
+    "same": (lambda: nn.Conv2d(4, 6, 3, padding="same", dilation=2), (2, 4, 9, 9)),
+    "valid": (lambda: nn.Conv2d(4, 6, 3, padding="valid"), (2, 4, 9, 9)),
+}
+MODES = ["fp32", "bf16-autocast"]
+
+
+def _run(model, x, mode):
+    """Forward under the mode, backward of a fixed weighting; (output, grads of x and params)."""
+    x = x.detach().clone().requires_grad_(True)
+    if x.dim() == 4 and model._test_channels_last:
+        x = x.to(memory_format=torch.channels_last).detach().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode != "fp32"):
+        out = model(x)
+    w = torch.linspace(-1, 1, out.numel()).view(out.shape).to(out.dtype)
+    (out * w).float().sum().backward()
+    return out, [x.grad, *[p.grad for p in model.parameters()]]
+
+
+def _pair(name, layout, cfg):
+    factory, shape = CASES[name]
+    torch.manual_seed(0)
+    plain = factory()
+    if layout == "channels_last":
+        plain = plain.to(memory_format=torch.channels_last)
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), cfg)
+    for m in (plain, wrapped):
+        m._test_channels_last = layout == "channels_last"
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    return plain, wrapped, x
+
+
+def _layouts(name):
+    return ["contiguous", "channels_last"] if len(CASES[name][1]) == 4 else ["contiguous"]
+
+
+PARAMS = [(n, lay, m) for n in CASES for lay in _layouts(n) for m in MODES]
+
+
+@pytest.mark.parametrize(("name", "layout", "mode"), PARAMS)
+def test_debug_exact_matches_torch_bit_for_bit(name, layout, mode):
+    plain, wrapped, x = _pair(name, layout, EXACT)
+    out_p, grads_p = _run(plain, x, mode)
+    out_w, grads_w = _run(wrapped, x, mode)
+    assert_equal(out_w, out_p, "output")
+    assert out_w.stride() == out_p.stride()
+    for i, (gw, gp) in enumerate(zip(grads_w, grads_p, strict=True)):
+        assert_equal(gw, gp, f"grad {i}")
+        assert gw.stride() == gp.stride(), i
+
+
+@pytest.mark.parametrize(("name", "layout", "mode"), PARAMS)
+def test_compressed_forward_exact_weight_gradient_within_the_floor(name, layout, mode):
+    plain, wrapped, x = _pair(name, layout, CONV)
+    assert isinstance(wrapped, mesa_lite.Conv1d | mesa_lite.Conv2d | mesa_lite.Conv3d)
+    out_p, (gx_p, gwt_p, *gb_p) = _run(plain, x, mode)
+    out_w, (gx_w, gwt_w, *gb_w) = _run(wrapped, x, mode)
+    assert_equal(out_w, out_p, "output")
+    assert_equal(gx_w, gx_p, "input grad (reads the weight, not the kept input)")
+    for a, b in zip(gb_w, gb_p, strict=True):
+        assert_equal(a, b, "bias grad")
+    # int8 of the input: measured 42-52 dB over these cases
+    assert sqnr_db(gwt_p, gwt_w) >= 30, sqnr_db(gwt_p, gwt_w)
+    assert gwt_w.dtype == gwt_p.dtype == torch.float32
+
+
+def test_channels_last_input_is_kept_without_a_copy():
+    """A channels-last input is kept in its own memory order: with ``debug_exact`` the very
+    storage of the input (no contiguous copy), as torch keeps it."""
+    torch.manual_seed(0)
+    wrapped = mesa_lite.wrap(nn.Conv2d(8, 8, 3, padding=1), EXACT)
+    wrapped = wrapped.to(memory_format=torch.channels_last)
+    x = torch.randn(2, 8, 8, 8).to(memory_format=torch.channels_last).requires_grad_(True)
+    kept = []
+
+    def pack(t):
+        kept.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = wrapped(x)
+    assert x.untyped_storage().data_ptr() in kept
+    out.sum().backward()
+    assert x.grad.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_uneven_same_padding_runs_the_plain_op():
+    """``padding="same"`` with an even kernel pads one side more: the plain op runs (exact)."""
+    torch.manual_seed(0)
+    plain = nn.Conv2d(4, 6, 4, padding="same")
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), CONV)
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    params = [*plain.parameters(), *wrapped.parameters()]
+    kept_p, out_p = saved_activation_bytes(lambda: plain(x), params)
+    kept_w, out_w = saved_activation_bytes(lambda: wrapped(x), params)
+    assert_equal(out_w, out_p)
+    assert kept_w == kept_p
+
+
+def test_keeps_int8_input_and_nothing_when_frozen():
+    """fp32 input: about a quarter of the bytes (codes plus fp32 scales per 128); a frozen
+    convolution whose input needs grad keeps no input at all (torch keeps it)."""
+    torch.manual_seed(0)
+    plain = nn.Conv2d(16, 16, 3, padding=1)
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), CONV)
+    x = torch.randn(4, 16, 16, 16, requires_grad=True)
+    params = [*plain.parameters(), *wrapped.parameters()]
+    kept_p, _ = saved_activation_bytes(lambda: plain(x), params)
+    kept_w, _ = saved_activation_bytes(lambda: wrapped(x), params)
+    n = x.numel()
+    assert kept_p == 4 * n
+    assert kept_w == n + 4 * math.ceil(n / 128)
+    for m in (plain, wrapped):
+        m.requires_grad_(False)
+    kept_p, _ = saved_activation_bytes(lambda: plain(x), params)
+    kept_w, out = saved_activation_bytes(lambda: wrapped(x), params)
+    assert kept_p == 4 * n and kept_w == 0
+    out.sum().backward()  # the input's gradient without the kept input
+    x2 = x.detach().requires_grad_(True)
+    plain(x2).sum().backward()
+    assert_equal(x.grad, x2.grad)
+
+
+def test_non_finite_input_reaches_the_weight_gradient():
+    """An inf in the input makes the weight's gradient non-finite, as in torch (AMP's
+    GradScaler then skips the step)."""
+    wrapped = mesa_lite.wrap(nn.Conv2d(2, 2, 3), CONV)
+    x = torch.randn(1, 2, 6, 6)
+    x[0, 1, 2, 3] = float("inf")
+    wrapped(x).sum().backward()
+    assert not torch.isfinite(wrapped.weight.grad).all()
+
+
+def test_conv_is_opt_in_and_unwraps():
+    """The default Config leaves convolutions alone; with "conv" they convert in place with the
+    same parameters and state_dict keys, and unwrap restores the torch classes."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
+    model(torch.randn(1, 3, 8, 8))  # materialize the lazy layer
+    keys = list(model.state_dict())
+    assert "conv" not in mesa_lite.Config().layers
+    default = mesa_lite.wrap(copy.deepcopy(model))
+    assert type(default[0]) is nn.Conv2d
+    wrapped = mesa_lite.wrap(copy.deepcopy(model), CONV)
+    assert isinstance(wrapped[0], mesa_lite.Conv2d) and list(wrapped.state_dict()) == keys
+    mesa_lite.unwrap(wrapped)
+    assert type(wrapped[0]) is nn.Conv2d
+
+
+def test_compiles_into_one_graph_within_the_floor():
+    """torch.compile (Inductor, CPU) of a small CNN with wrapped convolutions: one graph, no
+    break; gradients within the int8 floor of eager mode's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, groups=2),
+        nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+    )  # fmt: skip
+    eager = mesa_lite.wrap(model, CONV)
+    src = copy.deepcopy(eager)
+    compiled = mesa_lite.compile(src, fullgraph=True)
+    x = torch.randn(4, 3, 12, 12, generator=torch.Generator().manual_seed(0))
+    explained = torch._dynamo.explain(src)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    F.cross_entropy(eager(x), torch.arange(4)).backward()
+    F.cross_entropy(compiled(x), torch.arange(4)).backward()
+    for (n, p), q in zip(eager.named_parameters(), src.parameters(), strict=True):
+        assert sqnr_db(p.grad, q.grad) >= 30, (n, sqnr_db(p.grad, q.grad))
