@@ -28,6 +28,7 @@ _WHERE = {
     "INDUCTOR_OPTIONS": "mesa_lite.compiling",
     "compile": "mesa_lite.compiling",
     "QuantSpec": "mesa_lite.config",
+    "ReLU": "mesa_lite.modules",
     "GELU": "mesa_lite.modules",
     "LayerNorm": "mesa_lite.modules",
     "Linear": "mesa_lite.modules",
@@ -63,6 +64,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads t
         LayerNorm,
         Linear,
         MatMul,
+        ReLU,
         Softmax,
     )
     from mesa_lite.report import MemoryReport, memory_report  # noqa: F401

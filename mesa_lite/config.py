@@ -13,11 +13,12 @@ from typing import Any
 
 LAYER_KINDS: tuple[str, ...] = (
     "linear", "gelu", "softmax", "layernorm", "matmul", "attention",
-    "silu", "rmsnorm", "dropout", "loss", "conv",
+    "silu", "rmsnorm", "dropout", "loss", "conv", "relu",
 )  # fmt: skip
-# Config.layers' default: every kind but those still opt-in ("conv": convolutions, new, not yet
-# measured on a GPU; Config(layers=DEFAULT_LAYERS | {"conv"}) turns them on)
-OPT_IN_KINDS: frozenset[str] = frozenset({"conv"})
+# Config.layers' default: every kind but those still opt-in ("conv" and "relu": convolutional
+# networks' layers, new, not yet measured on a GPU; Config(layers=DEFAULT_LAYERS | {"conv",
+# "relu"}) turns them on)
+OPT_IN_KINDS: frozenset[str] = frozenset({"conv", "relu"})
 DEFAULT_LAYERS: frozenset[str] = frozenset(LAYER_KINDS) - OPT_IN_KINDS
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 SUPPORTED_BITS: tuple[int, ...] = (8, 4, 2)
@@ -158,7 +159,7 @@ class Config:
         rounding: "nearest" or "stochastic"; None (the default) picks nearest at 8 bits and
             stochastic below, per layer.
         layers: which layer kinds to wrap, a subset of ``LAYER_KINDS``; by default
-            ``DEFAULT_LAYERS``, every kind but the opt-in ``"conv"``.
+            ``DEFAULT_LAYERS``, every kind but the opt-in ``"conv"`` and ``"relu"``.
         overrides: per-module settings, ``{name_or_glob: {field: value}}`` with fields
             ``bits``, ``group_size``, ``rounding`` and ``enabled`` (False leaves that module
             exact). Names are those of ``model.named_modules()``; fnmatch globs are allowed.

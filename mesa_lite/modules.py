@@ -25,6 +25,7 @@ from mesa_lite.ops.gelu import gelu
 from mesa_lite.ops.layer_norm import layer_norm
 from mesa_lite.ops.linear import linear
 from mesa_lite.ops.matmul import matmul
+from mesa_lite.ops.relu import relu
 from mesa_lite.ops.rms_norm import rms_norm
 from mesa_lite.ops.softmax import softmax
 
@@ -302,6 +303,17 @@ class Conv3d(_ConvNd, nn.Conv3d):
     """``nn.Conv3d`` keeping its input compressed."""
 
     _mesa_nd = 3
+
+
+class ReLU(MesaModule, nn.ReLU):
+    """``nn.ReLU`` (in place or not) keeping 1 bit per element instead of its output."""
+
+    mesa_kind = "relu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._mesa_active(x):
+            return super().forward(x)
+        return relu(x, self.inplace)
 
 
 class GELU(MesaModule, nn.GELU):

@@ -38,6 +38,7 @@ from mesa_lite.modules import (
     LayerNorm,
     Linear,
     MesaModule,
+    ReLU,
     RMSNorm,
     SiLU,
     Softmax,
@@ -69,10 +70,11 @@ _REGISTRY: dict[type, _Entry] = {
     nn.LayerNorm: _Entry(LayerNorm, "layernorm"),
     nn.SiLU: _Entry(SiLU, "silu"),
     nn.Dropout: _Entry(Dropout, "dropout", applies=lambda m: 0 < m.p < 1),
-    # opt-in kind (config.OPT_IN_KINDS): converted only when Config.layers names "conv"
+    # opt-in kinds (config.OPT_IN_KINDS): converted only when Config.layers names them
     nn.Conv1d: _Entry(Conv1d, "conv"),
     nn.Conv2d: _Entry(Conv2d, "conv"),
     nn.Conv3d: _Entry(Conv3d, "conv"),
+    nn.ReLU: _Entry(ReLU, "relu"),
 }
 if hasattr(nn, "RMSNorm"):
     _REGISTRY[nn.RMSNorm] = _Entry(RMSNorm, "rmsnorm")

@@ -17,6 +17,7 @@ from mesa_lite.ops import (  # noqa: F401
     layer_norm,
     linear,
     matmul,
+    relu,
     rms_norm,
     softmax,
 )

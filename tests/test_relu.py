@@ -1,0 +1,115 @@
+"""ReLU (``mesa_lite.ReLU``, the opt-in layer kind ``"relu"``): 1 bit per element kept, output
+and gradients bit for bit torch's (the bit is exactly what torch's backward tests), in place or
+not, with NaN and inf, channels-last, after a convolution, and under torch.compile."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import assert_equal, saved_activation_bytes, sqnr_db
+
+import mesa_lite
+
+CNN = mesa_lite.Config(layers=mesa_lite.DEFAULT_LAYERS | {"conv", "relu"})
+
+
+def _input(shape=(2, 4, 6, 6), layout="contiguous"):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    x.view(-1)[:5] = torch.tensor([0.0, -0.0, float("nan"), float("inf"), float("-inf")])
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    return x
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("mode", ["fp32", "bf16-autocast", "fp16"])
+def test_output_and_gradient_bit_for_bit(inplace, layout, mode):
+    """After a Linear scale (so the ReLU's input is not a leaf, as in a network), with zeros,
+    -0, NaN and infinities in the input; the gradient weighting has infinities too."""
+    dtype = torch.float16 if mode == "fp16" else torch.float32
+    results = []
+    for wrap in (False, True):
+        act = nn.ReLU(inplace=inplace)
+        if wrap:
+            act = mesa_lite.wrap(act, CNN)
+            assert isinstance(act, mesa_lite.ReLU)
+        x = _input(layout=layout).to(dtype).requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16-autocast"):
+            h = x * 1.5  # a non-leaf input, so in place is allowed
+            out = act(h)
+        g = torch.linspace(-2, 2, out.numel()).view(out.shape).to(out.dtype)
+        g.view(-1)[7] = float("inf")
+        out.backward(g)
+        results.append((out.detach().clone(), x.grad))
+    (out_p, gx_p), (out_w, gx_w) = results
+    assert_equal(out_w, out_p, "output")
+    assert_equal(gx_w, gx_p, "input grad")
+
+
+def test_keeps_one_bit_per_element():
+    """torch keeps the output (4 bytes per element at fp32); the wrapped ReLU a bit."""
+    x = torch.randn(4, 8, 10, 10, requires_grad=True)
+    plain, wrapped = nn.ReLU(), mesa_lite.wrap(nn.ReLU(), CNN)
+    kept_p, _ = saved_activation_bytes(lambda: plain(x * 1.0))
+    kept_w, _ = saved_activation_bytes(lambda: wrapped(x * 1.0))
+    assert kept_p == 4 * x.numel()
+    assert kept_w == math.ceil(x.numel() / 8)
+
+
+def test_conv_relu_conv_keeps_codes_and_bits():
+    """Conv -> ReLU -> Conv with both kinds on: the second convolution keeps the ReLU output
+    as int8 codes and the ReLU a bit per element, about 1.1 bytes per element where torch
+    keeps the 4-byte output once (shared by the ReLU and the convolution); the gradients are
+    within the int8 floor, the input's exact at the first convolution's weight."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(inplace=True),
+                          nn.Conv2d(16, 8, 3, padding=1))  # fmt: skip
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), CNN)
+    x = torch.randn(2, 8, 16, 16, requires_grad=True)
+    params = [*plain.parameters(), *wrapped.parameters()]
+    kept_p, out_p = saved_activation_bytes(lambda: plain(x), params)
+    kept_w, out_w = saved_activation_bytes(lambda: wrapped(x), params)
+    assert_equal(out_w, out_p)
+    mid = 2 * 16 * 16 * 16  # the ReLU output's elements
+    n = x.numel()
+    assert kept_p == 4 * n + 4 * mid  # the input and the shared ReLU output
+    assert kept_w == (n + 4 * math.ceil(n / 128)) + (mid + 4 * math.ceil(mid / 128)) + mid // 8
+    out_p.square().sum().backward()
+    out_w.square().sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
+        assert sqnr_db(p.grad, q.grad) >= 30, (name, sqnr_db(p.grad, q.grad))
+
+
+def test_relu_is_opt_in_and_in_place_on_a_leaf_fails_as_in_torch():
+    assert type(mesa_lite.wrap(nn.ReLU())) is nn.ReLU
+    leaf = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        nn.ReLU(inplace=True)(leaf)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        mesa_lite.wrap(nn.ReLU(inplace=True), CNN)(leaf)
+
+
+def test_compiles_into_one_graph_with_torch_gradients():
+    """torch.compile (Inductor, CPU): one graph, and the ReLU's gradient is exact, so only the
+    convolutions' kept inputs separate it from eager mode (within the int8 floor)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True),
+                          nn.Conv2d(8, 8, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(4))  # fmt: skip
+    x = torch.randn(4, 3, 10, 10, generator=torch.Generator().manual_seed(0))
+    model(x)
+    eager = mesa_lite.wrap(model, CNN)
+    src = copy.deepcopy(eager)
+    compiled = mesa_lite.compile(src, fullgraph=True)
+    explained = torch._dynamo.explain(src)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    F.cross_entropy(eager(x), torch.arange(4)).backward()
+    F.cross_entropy(compiled(x), torch.arange(4)).backward()
+    for (n, p), q in zip(eager.named_parameters(), src.parameters(), strict=True):
+        assert sqnr_db(p.grad, q.grad) >= 30, (n, sqnr_db(p.grad, q.grad))
