@@ -44,6 +44,15 @@ def assert_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -
     )
 
 
+def kept_by_both(plain, wrapped, x) -> tuple[int, int, object, object]:
+    """``saved_activation_bytes`` of ``plain(x)`` and ``wrapped(x)``, their parameters left
+    out: ``(plain bytes, wrapped bytes, plain output, wrapped output)``."""
+    params = [*plain.parameters(), *wrapped.parameters()]
+    kept_p, out_p = saved_activation_bytes(lambda: plain(x), params)
+    kept_w, out_w = saved_activation_bytes(lambda: wrapped(x), params)
+    return kept_p, kept_w, out_p, out_w
+
+
 def saved_activation_bytes(fn, params=()) -> tuple[int, object]:
     """Bytes of the unique storages kept for backward while ``fn()`` runs its forward.
 

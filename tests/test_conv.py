@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import assert_equal, saved_activation_bytes, sqnr_db
+from conftest import assert_equal, kept_by_both, sqnr_db
 
 import mesa_lite
 
@@ -122,9 +122,7 @@ def test_uneven_same_padding_runs_the_plain_op():
     plain = nn.Conv2d(4, 6, 4, padding="same")
     wrapped = mesa_lite.wrap(copy.deepcopy(plain), CONV)
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
-    params = [*plain.parameters(), *wrapped.parameters()]
-    kept_p, out_p = saved_activation_bytes(lambda: plain(x), params)
-    kept_w, out_w = saved_activation_bytes(lambda: wrapped(x), params)
+    kept_p, kept_w, out_p, out_w = kept_by_both(plain, wrapped, x)
     assert_equal(out_w, out_p)
     assert kept_w == kept_p
 
@@ -136,16 +134,13 @@ def test_keeps_int8_input_and_nothing_when_frozen():
     plain = nn.Conv2d(16, 16, 3, padding=1)
     wrapped = mesa_lite.wrap(copy.deepcopy(plain), CONV)
     x = torch.randn(4, 16, 16, 16, requires_grad=True)
-    params = [*plain.parameters(), *wrapped.parameters()]
-    kept_p, _ = saved_activation_bytes(lambda: plain(x), params)
-    kept_w, _ = saved_activation_bytes(lambda: wrapped(x), params)
+    kept_p, kept_w, _, _ = kept_by_both(plain, wrapped, x)
     n = x.numel()
     assert kept_p == 4 * n
     assert kept_w == n + 4 * math.ceil(n / 128)
     for m in (plain, wrapped):
         m.requires_grad_(False)
-    kept_p, _ = saved_activation_bytes(lambda: plain(x), params)
-    kept_w, out = saved_activation_bytes(lambda: wrapped(x), params)
+    kept_p, kept_w, _, out = kept_by_both(plain, wrapped, x)
     assert kept_p == 4 * n and kept_w == 0
     out.sum().backward()  # the input's gradient without the kept input
     x2 = x.detach().requires_grad_(True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import assert_equal, saved_activation_bytes, sqnr_db
+from conftest import assert_equal, kept_by_both, saved_activation_bytes, sqnr_db
 
 import mesa_lite
 
@@ -72,9 +72,7 @@ def test_conv_relu_conv_keeps_codes_and_bits():
                           nn.Conv2d(16, 8, 3, padding=1))  # fmt: skip
     wrapped = mesa_lite.wrap(copy.deepcopy(plain), CNN)
     x = torch.randn(2, 8, 16, 16, requires_grad=True)
-    params = [*plain.parameters(), *wrapped.parameters()]
-    kept_p, out_p = saved_activation_bytes(lambda: plain(x), params)
-    kept_w, out_w = saved_activation_bytes(lambda: wrapped(x), params)
+    kept_p, kept_w, out_p, out_w = kept_by_both(plain, wrapped, x)
     assert_equal(out_w, out_p)
     mid = 2 * 16 * 16 * 16  # the ReLU output's elements
     n = x.numel()
