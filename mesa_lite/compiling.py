@@ -21,8 +21,11 @@ __all__ = ["INDUCTOR_OPTIONS", "compile"]
 INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False}
 
 
-def compile(model, *, mode: str | None = None, options: dict | None = None, **kwargs):  # noqa: A001
-    """``torch.compile(model, ...)`` with ``INDUCTOR_OPTIONS``; same arguments and result.
+def compile(  # noqa: A001
+    model=None, *, mode: str | None = None, options: dict | None = None, **kwargs
+):
+    """``torch.compile(model, ...)`` with ``INDUCTOR_OPTIONS``; same arguments and result
+    (without ``model``, a decorator).
 
     ``mode`` is turned into its Inductor options (torch.compile takes a mode or options, not
     both); ``options`` given here override ``INDUCTOR_OPTIONS``. Another backend than
@@ -30,7 +33,7 @@ def compile(model, *, mode: str | None = None, options: dict | None = None, **kw
     """
     import torch
 
-    backend = kwargs.get("backend", "inductor")
+    backend = kwargs.get("backend") or "inductor"
     if backend != "inductor":
         return torch.compile(model, mode=mode, options=options, **kwargs)
     merged: dict = {}

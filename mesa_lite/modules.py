@@ -273,6 +273,8 @@ class _ConvNd(MesaModule):
         if not self._mesa_active(x, weight, self.bias):
             return self._conv_forward(x, weight, self.bias)
         nd = self._mesa_nd
+        if x.dim() == nd + 1:  # unbatched, as torch's conv runs it: a batch of one
+            return self.forward(x.unsqueeze(0)).squeeze(0)
         padding = self.padding
         if self.padding_mode != "zeros":  # as nn.ConvNd._conv_forward: pad, then no padding
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)

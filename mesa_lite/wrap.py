@@ -61,6 +61,12 @@ class _Entry:
     applies: Callable[[nn.Module], bool] | None = None
 
 
+def _keeps_conv_forward(base: type) -> Callable[[nn.Module], bool]:
+    """Whether a convolution keeps ``base``'s ``_conv_forward`` (the compressed path replaces
+    that hook, which weight-standardized convolutions override instead of ``forward``)."""
+    return lambda m: type(m)._conv_forward is base._conv_forward
+
+
 # By type; a subclass of a registered type is converted when it keeps that type's forward
 # (``_lookup``), as it then computes the same thing.
 _REGISTRY: dict[type, _Entry] = {
@@ -71,9 +77,10 @@ _REGISTRY: dict[type, _Entry] = {
     nn.SiLU: _Entry(SiLU, "silu"),
     nn.Dropout: _Entry(Dropout, "dropout", applies=lambda m: 0 < m.p < 1),
     # opt-in kinds (config.OPT_IN_KINDS): converted only when Config.layers names them
-    nn.Conv1d: _Entry(Conv1d, "conv"),
-    nn.Conv2d: _Entry(Conv2d, "conv"),
-    nn.Conv3d: _Entry(Conv3d, "conv"),
+    **{
+        t: _Entry(c, "conv", _keeps_conv_forward(t), "subclass with its own _conv_forward")
+        for t, c in ((nn.Conv1d, Conv1d), (nn.Conv2d, Conv2d), (nn.Conv3d, Conv3d))
+    },
     nn.ReLU: _Entry(ReLU, "relu"),
 }
 if hasattr(nn, "RMSNorm"):
@@ -252,6 +259,9 @@ def _plan(
         return _Plan(entry.kind)  # left exact by config
     if cls in _NOT_CALLED:
         return _Plan(entry.kind, skip=_NOT_CALLED[cls])
+    if any(isinstance(p, nn.parameter.UninitializedParameter) for p in module.parameters(False)):
+        # a lazy module turns into its base class on its first call, under a running forward
+        return _Plan(entry.kind, skip="lazy parameters not initialized: wrap after a first call")
     if cls.forward is not registered.forward:
         owner = next(k for k in cls.__mro__ if "forward" in vars(k))
         why = f"subclass of {registered.__name__} with its own forward"

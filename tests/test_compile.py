@@ -357,3 +357,10 @@ def test_mesa_lite_compile_turns_off_inductor_peak_memory_reordering(monkeypatch
     assert seen["options"]["trace.enabled"] is False and "mode" not in seen
     mesa_lite.compile(base, backend="aot_eager", mode="default")
     assert seen == {"backend": "aot_eager", "mode": "default", "options": None}
+    seen.clear()
+    mesa_lite.compile(base, backend=None)  # torch.compile's None is Inductor
+    assert seen["options"] == {"reorder_for_peak_memory": False}
+    seen.clear()
+    monkeypatch.setattr(torch, "compile", lambda m=None, **kw: seen.update(kw, model=m) or m)
+    mesa_lite.compile(fullgraph=True)  # without a model: torch.compile's decorator form
+    assert seen["model"] is None and seen["fullgraph"] is True

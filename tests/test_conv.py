@@ -192,3 +192,49 @@ def test_compiles_into_one_graph_within_the_floor():
     F.cross_entropy(compiled(x), torch.arange(4)).backward()
     for (n, p), q in zip(eager.named_parameters(), src.parameters(), strict=True):
         assert sqnr_db(p.grad, q.grad) >= 30, (n, sqnr_db(p.grad, q.grad))
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3])
+def test_unbatched_input_as_torch_runs_it(nd):
+    """An unbatched input (C, *spatial) runs as a batch of one, as torch's convolution does:
+    output and gradients bit for bit with debug_exact."""
+    torch.manual_seed(0)
+    plain = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[nd - 1](3, 4, 3)
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), EXACT)
+    grads = []
+    for m in (plain, wrapped):
+        x = torch.randn((3,) + (6,) * nd, generator=torch.Generator().manual_seed(1))
+        x.requires_grad_(True)
+        out = m(x)
+        out.square().sum().backward()
+        grads.append((out, x.grad, m.weight.grad))
+    for a, b in zip(*grads, strict=True):
+        assert_equal(b, a)
+
+
+def test_subclass_with_its_own_conv_forward_is_skipped(caplog):
+    """A convolution that overrides ``_conv_forward`` (weight standardization) and not
+    ``forward`` keeps its own computation, named in wrap's log."""
+
+    class StdConv(nn.Conv2d):
+        def _conv_forward(self, x, weight, bias):
+            w = (weight - weight.mean((1, 2, 3), keepdim=True)) / (weight.std() + 1e-5)
+            return super()._conv_forward(x, w, bias)
+
+    m = StdConv(3, 4, 3)
+    with caplog.at_level("INFO", logger="mesa_lite"):
+        mesa_lite.wrap(m, CONV)
+    assert not isinstance(m, mesa_lite.Conv2d)
+    assert "StdConv x1 (subclass with its own _conv_forward)" in caplog.text
+
+
+def test_lazy_modules_are_skipped_until_initialized(caplog):
+    """A lazy module (its class changes on its first call) is skipped with the reason; after a
+    first call it converts."""
+    m = nn.Sequential(nn.LazyConv2d(6, 3), nn.LazyLinear(2))
+    with caplog.at_level("INFO", logger="mesa_lite"):
+        mesa_lite.wrap(m, CONV)
+    assert "lazy parameters not initialized: wrap after a first call" in caplog.text
+    m(torch.randn(2, 4, 5, 5, requires_grad=True)).sum().backward()
+    mesa_lite.wrap(m, CONV)
+    assert isinstance(m[0], mesa_lite.Conv2d) and isinstance(m[1], mesa_lite.Linear)
