@@ -20,6 +20,10 @@ __version__ = "0.1.0"
 # public name -> the module that defines it ("" for a submodule of that name)
 _WHERE = {
     "LAYER_KINDS": "mesa_lite.config",
+    "OPT_IN_KINDS": "mesa_lite.config",
+    "BatchNorm1d": "mesa_lite.modules",
+    "BatchNorm2d": "mesa_lite.modules",
+    "BatchNorm3d": "mesa_lite.modules",
     "Config": "mesa_lite.config",
     "Conv1d": "mesa_lite.modules",
     "Conv2d": "mesa_lite.modules",
@@ -54,10 +58,19 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads t
     from mesa_lite import report  # noqa: F401
     from mesa_lite.breakdown import MemoryBreakdown, memory_breakdown  # noqa: F401
     from mesa_lite.compiling import INDUCTOR_OPTIONS, compile  # noqa: F401
-    from mesa_lite.config import DEFAULT_LAYERS, LAYER_KINDS, Config, QuantSpec  # noqa: F401
+    from mesa_lite.config import (  # noqa: F401
+        DEFAULT_LAYERS,
+        LAYER_KINDS,
+        OPT_IN_KINDS,
+        Config,
+        QuantSpec,
+    )
     from mesa_lite.kernels.group_quant import rounding_state, set_rounding_state  # noqa: F401
     from mesa_lite.modules import (  # noqa: F401
         GELU,
+        BatchNorm1d,
+        BatchNorm2d,
+        BatchNorm3d,
         Conv1d,
         Conv2d,
         Conv3d,

@@ -13,12 +13,11 @@ from typing import Any
 
 LAYER_KINDS: tuple[str, ...] = (
     "linear", "gelu", "softmax", "layernorm", "matmul", "attention",
-    "silu", "rmsnorm", "dropout", "loss", "conv", "relu",
+    "silu", "rmsnorm", "dropout", "loss", "conv", "relu", "batchnorm",
 )  # fmt: skip
-# Config.layers' default: every kind but those still opt-in ("conv" and "relu": convolutional
-# networks' layers, new, not yet measured on a GPU; Config(layers=DEFAULT_LAYERS | {"conv",
-# "relu"}) turns them on)
-OPT_IN_KINDS: frozenset[str] = frozenset({"conv", "relu"})
+# Config.layers' default: every kind but those still opt-in (convolutional networks' layers,
+# new, not yet measured on a GPU; Config(layers=DEFAULT_LAYERS | OPT_IN_KINDS) turns them on)
+OPT_IN_KINDS: frozenset[str] = frozenset({"conv", "relu", "batchnorm"})
 DEFAULT_LAYERS: frozenset[str] = frozenset(LAYER_KINDS) - OPT_IN_KINDS
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 SUPPORTED_BITS: tuple[int, ...] = (8, 4, 2)
@@ -159,7 +158,8 @@ class Config:
         rounding: "nearest" or "stochastic"; None (the default) picks nearest at 8 bits and
             stochastic below, per layer.
         layers: which layer kinds to wrap, a subset of ``LAYER_KINDS``; by default
-            ``DEFAULT_LAYERS``, every kind but the opt-in ``"conv"`` and ``"relu"``.
+            ``DEFAULT_LAYERS``, every kind but the opt-in ``OPT_IN_KINDS`` (``"conv"``,
+            ``"relu"``, ``"batchnorm"``).
         overrides: per-module settings, ``{name_or_glob: {field: value}}`` with fields
             ``bits``, ``group_size``, ``rounding`` and ``enabled`` (False leaves that module
             exact). Names are those of ``model.named_modules()``; fnmatch globs are allowed.

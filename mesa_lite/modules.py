@@ -18,6 +18,7 @@ from torch.nn.utils import parametrize
 from mesa_lite.config import QuantSpec
 from mesa_lite.ops.activation import activation, silu_grad
 from mesa_lite.ops.attention import scaled_dot_product_attention, sdpa_backends_enabled
+from mesa_lite.ops.batch_norm import batch_norm
 from mesa_lite.ops.common import in_functorch_transform, needs_grad
 from mesa_lite.ops.conv import conv, same_padding
 from mesa_lite.ops.dropout import dropout
@@ -305,6 +306,42 @@ class Conv3d(_ConvNd, nn.Conv3d):
     """``nn.Conv3d`` keeping its input compressed."""
 
     _mesa_nd = 3
+
+
+class _BatchNormNd(MesaModule):
+    """``nn.BatchNorm1d/2d/3d`` in training mode keeping its normalized input compressed
+    (``ops/batch_norm.py``); the running statistics and ``num_batches_tracked`` are updated as
+    ``nn.BatchNorm``'s own forward updates them. Eval mode (running statistics) runs plain."""
+
+    mesa_kind = "batchnorm"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._mesa_active(x, self.weight, self.bias):
+            return super().forward(x)
+        self._check_input_dim(x)
+        # nn.modules.batchnorm._BatchNorm.forward, training mode (torch 2.4 to 2.14)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # cumulative moving average
+                factor = 1.0 / float(self.num_batches_tracked)
+        tracked = self.track_running_stats
+        return batch_norm(
+            x, self.running_mean if tracked else None, self.running_var if tracked else None,
+            self.weight, self.bias, factor, self.eps, self.mesa_spec,
+        )  # fmt: skip
+
+
+class BatchNorm1d(_BatchNormNd, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` keeping its normalized input compressed."""
+
+
+class BatchNorm2d(_BatchNormNd, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` keeping its normalized input compressed."""
+
+
+class BatchNorm3d(_BatchNormNd, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` keeping its normalized input compressed."""
 
 
 class ReLU(MesaModule, nn.ReLU):

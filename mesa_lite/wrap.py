@@ -30,6 +30,9 @@ from mesa_lite import recognize
 from mesa_lite.config import CHECKPOINT_INNER, LAYER_KINDS, OPT_IN_KINDS, Config, QuantSpec
 from mesa_lite.modules import (
     GELU,
+    BatchNorm1d,
+    BatchNorm2d,
+    BatchNorm3d,
     Conv1d,
     Conv2d,
     Conv3d,
@@ -82,6 +85,9 @@ _REGISTRY: dict[type, _Entry] = {
         for t, c in ((nn.Conv1d, Conv1d), (nn.Conv2d, Conv2d), (nn.Conv3d, Conv3d))
     },
     nn.ReLU: _Entry(ReLU, "relu"),
+    nn.BatchNorm1d: _Entry(BatchNorm1d, "batchnorm"),
+    nn.BatchNorm2d: _Entry(BatchNorm2d, "batchnorm"),
+    nn.BatchNorm3d: _Entry(BatchNorm3d, "batchnorm"),
 }
 if hasattr(nn, "RMSNorm"):
     _REGISTRY[nn.RMSNorm] = _Entry(RMSNorm, "rmsnorm")
@@ -394,10 +400,10 @@ def _wrap(model, config, filter_fn):
         specs[plan.spec.describe()] += 1
     if not converted and not built and not exact:
         warnings.warn(
-            f"mesa_lite.wrap: {type(model).__name__} has no supported layers (mesa_lite "
-            f"compresses {', '.join(k for k in LAYER_KINDS if k not in OPT_IN_KINDS)}; "
-            f"opt-in: {', '.join(sorted(OPT_IN_KINDS))}; mesa_lite.supported_layers() lists "
-            "the classes); it is returned unchanged",
+            f"mesa_lite.wrap: {type(model).__name__} has no supported layers (compresses "
+            f"{', '.join(k for k in LAYER_KINDS if k not in OPT_IN_KINDS)}; opt-in: "
+            f"{', '.join(sorted(OPT_IN_KINDS))}; mesa_lite.supported_layers() lists the "
+            "classes); returned unchanged",
             stacklevel=2,
         )
     by_proof, not_fused = _fuse_blocks(model)

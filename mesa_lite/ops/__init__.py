@@ -10,6 +10,7 @@ of its input). Its kernels are in ``kernels/`` and reached through ``mesa_lite.q
 from mesa_lite.ops import (  # noqa: F401
     activation,
     attention,
+    batch_norm,
     conv,
     cross_entropy,
     dropout,

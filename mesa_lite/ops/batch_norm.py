@@ -1,0 +1,136 @@
+"""BatchNorm in training mode: keeps its normalized input ``(x - mean) * invstd`` compressed
+(plus the per-channel mean and invstd it computed) instead of its input.
+
+Forward is torch's own ``_batch_norm_impl_index`` (what ``F.batch_norm`` runs: the same output
+and the same in-place update of the running statistics); backward rebuilds the input from the
+codes, ``x_hat / invstd + mean``, and calls ``_batch_norm_impl_index_backward`` as torch's own
+backward does (its cuDNN, MIOpen or native form, with the saved statistics and reserve), so
+with ``debug_exact`` the gradients are torch's bit for bit. Under torch.compile the native pair
+(``native_batch_norm`` and its backward) is traced instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mesa_lite import quant
+from mesa_lite.config import QuantSpec
+from mesa_lite.ops.common import (
+    autocast_cast,
+    autocast_dtype,
+    first_order_only,
+    plain_under_functorch,
+    register_probe,
+)
+
+register_probe(
+    "batch_norm", 1, lambda a: F.batch_norm(a, a.new_zeros(1).float(), a.new_ones(1).float())
+)
+
+
+def _stat_shape(x: torch.Tensor) -> tuple[int, ...]:
+    return (1, x.shape[1]) + (1,) * (x.dim() - 2)
+
+
+def _keep_normalized(x, mean, invstd, spec: QuantSpec) -> quant.Packed:
+    """Codes of ``(x - mean) * invstd`` (per channel, fp32): rows of the spatial size through
+    the quantize kernel's own normalization for a contiguous input, the torch ops otherwise."""
+    n, c = x.shape[0], x.shape[1]
+    spatial = x.numel() // max(n * c, 1)
+    if x.is_contiguous() and spatial > 1:
+        rows = (mean.float().repeat(n), invstd.float().repeat(n))
+        return quant.quantize(x, spec, normalize=rows)
+    shape = _stat_shape(x)
+    x_hat = (x.float() - mean.float().view(shape)) * invstd.float().view(shape)
+    return quant.quantize(x_hat, spec)
+
+
+def _rebuild_input(p: quant.Packed, mean, invstd, dtype, x_shape) -> torch.Tensor:
+    """The input from its normalized codes (or the input itself, kept exactly: debug_exact,
+    fp64)."""
+    if p.spec.exact:
+        return p.codes
+    shape = (1, x_shape[1]) + (1,) * (len(x_shape) - 2)
+    x_hat = quant.dequantize(p, torch.float32).view(x_shape)
+    x = x_hat / invstd.float().view(shape) + mean.float().view(shape)
+    return x.to(dtype)
+
+
+class BatchNormFn(torch.autograd.Function):
+    """``F.batch_norm`` in training mode. ``cfg``: ``(momentum, eps, dtype)``, ``dtype``
+    autocast's cast target for the weight and bias (None: no cast)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, cfg, spec: QuantSpec):
+        momentum, eps, dtype = cfg
+        w, b = autocast_cast(weight, dtype), autocast_cast(bias, dtype)
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            out, mean, invstd = torch.ops.aten.native_batch_norm(
+                x, w, b, running_mean, running_var, True, momentum, eps
+            )
+            reserve, impl = None, -1
+        else:
+            out, mean, invstd, reserve, impl = torch.ops.aten._batch_norm_impl_index(
+                x, w, b, running_mean, running_var, True, momentum, eps,
+                torch.backends.cudnn.enabled,
+            )  # fmt: skip
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        px = None
+        if need_x or need_w:
+            if spec.exact or not quant.compressible(x):  # debug_exact, fp64: x itself
+                px = quant.quantize(x, spec)
+            else:
+                px = _keep_normalized(x, mean, invstd, spec)
+        quant.save(ctx, px, weight, running_mean, running_var, mean, invstd, reserve)
+        ctx.cfg, ctx.impl = cfg, impl
+        ctx.x_meta = (x.shape, x.stride(), x.dtype)
+        ctx.param_dtypes = (
+            None if weight is None else weight.dtype,
+            None if bias is None else bias.dtype,
+        )
+        return out
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        px, weight, running_mean, running_var, mean, invstd, reserve = quant.load(ctx)
+        momentum, eps, dtype = ctx.cfg
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        x_shape, x_stride, x_dtype = ctx.x_meta
+        if px is not None:
+            x = _rebuild_input(px, mean, invstd, x_dtype, x_shape)
+            if x.stride() != x_stride:
+                # in the input's layout (channels-last): the backward's reductions, so its
+                # gradients, follow the layout
+                x = x.new_empty_strided(x_shape, x_stride).copy_(x)
+        else:  # only the bias needs a gradient: the input is not read
+            x = grad.new_empty_strided(x_shape, x_stride, dtype=x_dtype)
+        w = autocast_cast(weight, dtype)
+        mask = [need_x, need_w and weight is not None, need_b and ctx.param_dtypes[1] is not None]
+        if ctx.impl < 0:
+            gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+                grad, x, w, running_mean, running_var, mean, invstd, True, eps, mask
+            )
+        else:
+            gx, gw, gb = torch.ops.aten._batch_norm_impl_index_backward(
+                ctx.impl, x, grad, w, running_mean, running_var, mean, invstd, True, eps, mask,
+                reserve,
+            )  # fmt: skip
+        w_dtype, b_dtype = ctx.param_dtypes
+        gw = None if gw is None or not mask[1] else gw.to(w_dtype)
+        gb = None if gb is None or not mask[2] else gb.to(b_dtype)
+        return (gx if need_x else None), gw, gb, None, None, None, None
+
+
+def batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, spec: QuantSpec):
+    """``F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)`` keeping
+    the normalized input compressed."""
+    if plain_under_functorch("BatchNorm"):
+        return F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
+    dtype = autocast_dtype("batch_norm", x.device)
+    cfg = (momentum, eps, dtype)
+    return BatchNormFn.apply(
+        autocast_cast(x, dtype), weight, bias, running_mean, running_var, cfg, spec
+    )

@@ -1,0 +1,141 @@
+"""BatchNorm (``mesa_lite.BatchNorm1d/2d/3d``, the opt-in kind ``"batchnorm"``): in training
+mode the output, running statistics and ``num_batches_tracked`` are torch's bit for bit, the
+gradients too with ``debug_exact``; compressed, the normalized input kept as int8 gives the
+bias gradient exactly and the others within the int8 floor."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import assert_equal, kept_by_both, sqnr_db
+
+import mesa_lite
+
+LAYERS = mesa_lite.DEFAULT_LAYERS | mesa_lite.OPT_IN_KINDS
+CNN = mesa_lite.Config(layers=LAYERS)
+EXACT = mesa_lite.Config(layers=LAYERS, debug_exact=True)
+
+# name: (module factory, input shape, channels-last)
+CASES = {
+    "1d-flat": (lambda: nn.BatchNorm1d(6), (8, 6), False),
+    "1d-seq": (lambda: nn.BatchNorm1d(6, momentum=None), (4, 6, 10), False),
+    "2d": (lambda: nn.BatchNorm2d(6), (4, 6, 5, 7), False),
+    "2d-channels-last": (lambda: nn.BatchNorm2d(6), (4, 6, 5, 7), True),
+    "2d-no-affine": (lambda: nn.BatchNorm2d(6, affine=False), (4, 6, 5, 5), False),
+    "2d-no-running-stats": (
+        lambda: nn.BatchNorm2d(6, track_running_stats=False),
+        (3, 6, 4, 4),
+        False,
+    ),  # fmt: skip
+    "3d": (lambda: nn.BatchNorm3d(4), (2, 4, 3, 4, 5), False),
+}
+MODES = ["fp32", "bf16-autocast"]
+
+
+def _step(model, name, mode):
+    factory, shape, channels_last = CASES[name]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=g) * 3 + 1
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode != "fp32"):
+        out = model(x * 1.0)
+    w = torch.linspace(-1, 2, out.numel()).view(out.shape).to(out.dtype)
+    (out * w).float().sum().backward()
+    return out, [x.grad, *[p.grad for p in model.parameters()]]
+
+
+def _pair(name, cfg):
+    torch.manual_seed(0)
+    plain = CASES[name][0]()
+    for p in plain.parameters():  # not the init's ones and zeros
+        p.data.uniform_(0.5, 1.5)
+    return plain, mesa_lite.wrap(copy.deepcopy(plain), cfg)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_debug_exact_matches_torch_bit_for_bit(name, mode):
+    plain, wrapped = _pair(name, EXACT)
+    for _ in range(2):  # two steps: the running statistics move twice
+        out_p, grads_p = _step(plain, name, mode)
+        out_w, grads_w = _step(wrapped, name, mode)
+    assert_equal(out_w, out_p, "output")
+    for i, (a, b) in enumerate(zip(grads_w, grads_p, strict=True)):
+        assert_equal(a, b, f"grad {i}")
+    for (n, a), b in zip(wrapped.named_buffers(), plain.buffers(), strict=True):
+        assert_equal(a, b, n)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_compressed_output_and_statistics_exact_gradients_within_the_floor(name, mode):
+    plain, wrapped = _pair(name, CNN)
+    assert isinstance(
+        wrapped, mesa_lite.BatchNorm1d | mesa_lite.BatchNorm2d | mesa_lite.BatchNorm3d
+    )
+    out_p, (gx_p, *gp) = _step(plain, name, mode)
+    out_w, (gx_w, *gw) = _step(wrapped, name, mode)
+    assert_equal(out_w, out_p, "output")
+    for (n, a), b in zip(wrapped.named_buffers(), plain.buffers(), strict=True):
+        assert_equal(a, b, n)
+    assert sqnr_db(gx_p, gx_w) >= 30, sqnr_db(gx_p, gx_w)
+    if gp:  # affine: weight within the floor, bias exact (it does not read the input)
+        assert sqnr_db(gp[0], gw[0]) >= 30, sqnr_db(gp[0], gw[0])
+        assert_equal(gw[1], gp[1], "bias grad")
+
+
+def test_keeps_the_normalized_input_as_int8():
+    """torch keeps the fp32 input (4 bytes per element); the wrapped BatchNorm one byte per
+    element, an fp32 scale per 128, its per-channel mean and invstd, and (as torch) references
+    to the running statistics."""
+    plain = nn.BatchNorm2d(16)
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), CNN)
+    x = torch.randn(4, 16, 8, 8, requires_grad=True)
+    kept_p, kept_w, out_p, out_w = kept_by_both(plain, wrapped, x * 1.0)
+    n = x.numel()
+    assert kept_p >= 4 * n
+    assert kept_w == n + 4 * math.ceil(n / 128) + 2 * 16 * 4 + 2 * 16 * 4
+
+
+def test_eval_mode_and_no_grad_run_torch_itself():
+    plain, wrapped = _pair("2d", CNN)
+    x = torch.randn(2, 6, 4, 4)
+    for m in (plain, wrapped):
+        m(x)  # a training step's statistics
+        m.eval()
+    assert_equal(wrapped(x), plain(x))
+    wrapped.train()
+    with torch.no_grad():
+        plain.train()
+        assert_equal(wrapped(x), plain(x))
+
+
+def test_conv_bn_relu_compiles_into_one_graph_within_the_floor():
+    """ResNet's stem form under mesa_lite.compile (Inductor, CPU): one graph, gradients within
+    the int8 floor of eager mode's, running statistics equal."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+        nn.Conv2d(8, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+    )  # fmt: skip
+    eager = mesa_lite.wrap(model, CNN)
+    src = copy.deepcopy(eager)
+    compiled = mesa_lite.compile(src, fullgraph=True)
+    x = torch.randn(4, 3, 10, 10, generator=torch.Generator().manual_seed(0))
+    explained = torch._dynamo.explain(copy.deepcopy(src))(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    F.cross_entropy(eager(x), torch.arange(4)).backward()
+    F.cross_entropy(compiled(x), torch.arange(4)).backward()
+    for (n, p), q in zip(eager.named_parameters(), src.parameters(), strict=True):
+        assert sqnr_db(p.grad, q.grad) >= 30, (n, sqnr_db(p.grad, q.grad))
+    for (n, a), b in zip(eager.named_buffers(), src.buffers(), strict=True):
+        torch.testing.assert_close(b, a, msg=n)
