@@ -15,6 +15,7 @@ import torch.nn as nn
 from mesa_lite import blocks
 from mesa_lite.modules import (
     GELU,
+    BatchNorm2d,
     FusedBlock,
     LayerNorm,
     Linear,
@@ -77,7 +78,23 @@ def registrations() -> list[tuple[type, type, str, object, str | None]]:
         # converted module is never scripted (mesa_lite's modules are not scriptable; script
         # the unwrapped model), so the branch it drops is one that cannot run.
         regs.append((linear, Linear, "linear", None, None))
+    if _BatchNormAct2d is not None:
+        regs.append((_BatchNormAct2d, BatchNormAct2d, "batchnorm", None, None))
     return regs
+
+
+_BatchNormAct2d = getattr(_tl, "BatchNormAct2d", None) if _tl is not None else None
+if _BatchNormAct2d is not None:
+
+    class BatchNormAct2d(BatchNorm2d, _BatchNormAct2d):
+        """timm's ``BatchNormAct2d`` (EfficientNet, MobileNetV3, RegNet, ...): its batch norm
+        (the same code as ``nn.BatchNorm2d``'s forward) keeping the normalized input
+        compressed, then its own ``drop`` and ``act`` modules (wrapped by their own kinds)."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self._mesa_active(x, self.weight, self.bias):
+                return _BatchNormAct2d.forward(self, x)
+            return self.act(self.drop(BatchNorm2d.forward(self, x)))
 
 
 if _TimmAttention is not None:

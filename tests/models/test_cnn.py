@@ -45,11 +45,48 @@ def test_resnet18_keeps_under_half_with_gradients_within_the_floor(source):
         assert_equal(b, a, n)
 
 
-def test_resnet18_debug_exact_is_bit_for_bit():
-    plain = _resnet18("torchvision").train()
+@pytest.mark.parametrize("name", ["resnet18", "mobilenetv3_small_100"])
+def test_debug_exact_is_bit_for_bit(name):
+    if name == "resnet18":
+        plain = _resnet18("torchvision").train()
+    else:  # timm's BatchNormAct2d
+        timm = pytest.importorskip("timm")
+        torch.manual_seed(0)
+        plain = timm.create_model(name, pretrained=False, num_classes=10).train()
     wrapped = mesa_lite.wrap(copy.deepcopy(plain), EXACT)
     x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
     F.cross_entropy(plain(x), torch.arange(2)).backward()
     F.cross_entropy(wrapped(x), torch.arange(2)).backward()
     for (n, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
         assert_equal(q.grad, p.grad, n)
+
+
+@pytest.mark.parametrize(
+    ("name", "kept_at_most"),
+    # measured 0.549 and 0.477: squeeze-excitation multiplies and pooling stay plain
+    [("efficientnet_b0", 0.6), ("mobilenetv3_small_100", 0.5)],
+)
+def test_timm_batchnorm_act_models(name, kept_at_most):
+    """EfficientNet-B0 and MobileNetV3 (timm's BatchNormAct2d, depthwise convolutions, SiLU and
+    hard-swish): logits and running statistics bit for bit; all gradients together at 30 dB or
+    better (measured 38.3 and 39.9). Per parameter, a few BatchNorm gradients that nearly
+    cancel at initialization (norms 1e-4 against 1 for their neighbours) are dominated by the
+    int8 noise, so the floor is on the whole gradient."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    plain = timm.create_model(name, pretrained=False, num_classes=10).train()
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), CNN)
+    assert any(type(m).__name__ == "BatchNormAct2d" and isinstance(m, mesa_lite.BatchNorm2d)
+               for m in wrapped.modules())  # fmt: skip
+    x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    kept_p, kept_w, out_p, out_w = kept_by_both(plain, wrapped, x)
+    assert_equal(out_w, out_p, "logits")
+    assert kept_w <= kept_at_most * kept_p, kept_w / kept_p
+    y = torch.arange(4)
+    F.cross_entropy(out_p, y).backward()
+    F.cross_entropy(out_w, y).backward()
+    g_p = torch.cat([p.grad.flatten() for p in plain.parameters()])
+    g_w = torch.cat([p.grad.flatten() for p in wrapped.parameters()])
+    assert sqnr_db(g_p, g_w) >= 30, sqnr_db(g_p, g_w)
+    for (n, a), b in zip(plain.named_buffers(), wrapped.buffers(), strict=True):
+        assert_equal(b, a, n)
