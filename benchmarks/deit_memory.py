@@ -116,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto: cuda when a GPU is present; the defaults above follow the device",
     )  # fmt: skip
     p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
+    p.add_argument(
+        "--opt-in", action="store_true",
+        help="mesa rows also wrap the opt-in layer kinds (mesa_lite.OPT_IN_KINDS: convolutions, "
+        "BatchNorm, ReLU), for convolutional networks",
+    )  # fmt: skip
     return p
 
 
@@ -198,8 +203,11 @@ def _timed_steps(model, x, y, dtype, args, before_measuring=None) -> dict:
     }
 
 
-def _compiled(model, compiled: bool):
-    return torch.compile(model) if compiled else model
+def _compiled(model, compiled: bool, mode: str):
+    """The row's model, compiled when asked: a wrapped one through ``mesa_lite.compile``."""
+    if not compiled:
+        return model
+    return mesa_lite.compile(model) if mode == "mesa" else torch.compile(model)
 
 
 def gpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None,
@@ -208,7 +216,7 @@ def gpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None,
     # what is allocated before the row starts (the inputs only, if earlier rows freed all)
     before = torch.cuda.memory_allocated(device)
     model = make_model(name, attention, mode, args.img_size, bits, config).to(device)
-    model = _compiled(model, compiled)
+    model = _compiled(model, compiled, mode)
     static = []
 
     def start():
@@ -231,7 +239,8 @@ def gpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None,
 def cpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None,
             compiled=False) -> dict:  # fmt: skip
     dtype = torch_dtype(dtype_name)
-    model = _compiled(make_model(name, attention, mode, args.img_size, bits, config), compiled)
+    model = make_model(name, attention, mode, args.img_size, bits, config)
+    model = _compiled(model, compiled, mode)
     activations, copies = mesa_lite.report.kept_bytes(model, x, autocast=dtype)
     return {
         "kept_for_backward_mib": (activations + copies) / MIB,
@@ -352,6 +361,9 @@ def run(argv=None) -> list[dict]:
                "compiled": compiled, **env}  # fmt: skip
         try:
             kw = {"compiled": True} if compiled else {}
+            if args.opt_in and mode == "mesa":
+                layers = mesa_lite.DEFAULT_LAYERS | mesa_lite.OPT_IN_KINDS
+                kw["config"] = mesa_lite.Config(bits=bits, layers=layers)
             row.update(run_row(name, mode, dtype_name, attention, x, y, args, bits or 8, **kw))
         except Exception as e:  # a row that fails (OOM) is reported, not hidden
             row["error"] = f"{type(e).__name__}: {e}"[:500]

@@ -3,7 +3,7 @@
 # Run from the repository root on a GPU machine; writes logs and results under $OUT (default
 # ./out, a fixed folder: the GPU results committed in benchmarks/results/ were copied from it).
 #   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|main|coverage|speed-compiled|
-#     speed-compiled-others|speed-eager|speed-tests|llm|text|dist|all] [extra deit_memory args...]
+#     speed-compiled-others|speed-eager|speed-tests|cnn|llm|text|dist|all] [extra deit_memory args...]
 # suite: the whole test suite (CPU and CUDA parametrizations), in parallel processes.
 # main: the Quickstart's main job as a new user runs it (python benchmarks/deit_memory.py, its
 #   GPU default), timed; coverage: benchmarks/coverage.py (timm and Hugging Face models).
@@ -84,6 +84,18 @@ if [[ $what == speed-tests ]]; then
     tests/test_compile.py -k "cuda or gpu" > "$OUT/speed_cuda_tests.txt" 2>&1 &
   wait
   tail -n 3 "$OUT"/speed_*tests.txt
+fi
+if [[ $what == cnn ]]; then
+  # convolutional networks with the opt-in kinds (conv, batchnorm, relu): peak and step, plain
+  # AMP, checkpointing and 8 / 4 bits, then their CUDA tests (time-limited, after)
+  python3 benchmarks/deit_memory.py --models resnet50 efficientnet_b0 --batch-size 256 \
+    --dtype fp16 --attention fused --modes amp ckpt mesa --bits 8 4 --opt-in --no-plot \
+    --out "$OUT/cnn_memory_gpu" 2>&1 | grep "^| "
+  python3 benchmarks/deit_memory.py --models convnext_tiny swin_tiny_patch4_window7_224 \
+    --batch-size 128 --dtype fp16 --attention fused --modes amp ckpt mesa --bits 8 4 \
+    --opt-in --no-plot --out "$OUT/cnn_memory_gpu_128" 2>&1 | grep "^| "
+  timeout 150 python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/test_conv.py \
+    tests/test_relu.py tests/test_batch_norm.py tests/models/test_cnn.py 2>&1 | tail -n 3
 fi
 if [[ $what == llm ]]; then
   # issue 13: the language-model tests on CUDA, the memory and step-time rows (GPT-2 small and
