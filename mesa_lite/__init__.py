@@ -37,6 +37,7 @@ _WHERE = {
     "LayerNorm": "mesa_lite.modules",
     "Linear": "mesa_lite.modules",
     "MatMul": "mesa_lite.modules",
+    "MaxPool2d": "mesa_lite.modules",
     "Softmax": "mesa_lite.modules",
     "MemoryReport": "mesa_lite.report",
     "memory_report": "mesa_lite.report",
@@ -77,6 +78,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads t
         LayerNorm,
         Linear,
         MatMul,
+        MaxPool2d,
         ReLU,
         Softmax,
     )

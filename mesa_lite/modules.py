@@ -26,6 +26,7 @@ from mesa_lite.ops.gelu import gelu
 from mesa_lite.ops.layer_norm import layer_norm
 from mesa_lite.ops.linear import linear
 from mesa_lite.ops.matmul import matmul
+from mesa_lite.ops.max_pool import max_pool2d
 from mesa_lite.ops.relu import relu
 from mesa_lite.ops.rms_norm import rms_norm
 from mesa_lite.ops.softmax import softmax
@@ -342,6 +343,19 @@ class BatchNorm2d(_BatchNormNd, nn.BatchNorm2d):
 
 class BatchNorm3d(_BatchNormNd, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` keeping its normalized input compressed."""
+
+
+class MaxPool2d(MesaModule, nn.MaxPool2d):
+    """``nn.MaxPool2d`` keeping a byte per output (its window offset) instead of its input and
+    int64 indices; with ``return_indices`` it runs plain."""
+
+    mesa_kind = "pool"
+
+    def forward(self, x: torch.Tensor):
+        if self.return_indices or not self._mesa_active(x):
+            return super().forward(x)
+        return max_pool2d(x, self.kernel_size, self.stride, self.padding, self.dilation,
+                          self.ceil_mode)  # fmt: skip
 
 
 class ReLU(MesaModule, nn.ReLU):

@@ -40,6 +40,7 @@ from mesa_lite.modules import (
     FusedBlock,
     LayerNorm,
     Linear,
+    MaxPool2d,
     MesaModule,
     ReLU,
     RMSNorm,
@@ -88,6 +89,7 @@ _REGISTRY: dict[type, _Entry] = {
     nn.BatchNorm1d: _Entry(BatchNorm1d, "batchnorm"),
     nn.BatchNorm2d: _Entry(BatchNorm2d, "batchnorm"),
     nn.BatchNorm3d: _Entry(BatchNorm3d, "batchnorm"),
+    nn.MaxPool2d: _Entry(MaxPool2d, "pool"),
 }
 if hasattr(nn, "RMSNorm"):
     _REGISTRY[nn.RMSNorm] = _Entry(RMSNorm, "rmsnorm")
@@ -402,8 +404,8 @@ def _wrap(model, config, filter_fn):
         warnings.warn(
             f"mesa_lite.wrap: {type(model).__name__} has no supported layers (compresses "
             f"{', '.join(k for k in LAYER_KINDS if k not in OPT_IN_KINDS)}; opt-in: "
-            f"{', '.join(sorted(OPT_IN_KINDS))}; mesa_lite.supported_layers() lists the "
-            "classes); returned unchanged",
+            f"{', '.join(sorted(OPT_IN_KINDS))}; mesa_lite.supported_layers() lists them); "
+            "returned unchanged",
             stacklevel=2,
         )
     by_proof, not_fused = _fuse_blocks(model)

@@ -18,6 +18,7 @@ from mesa_lite.ops import (  # noqa: F401
     layer_norm,
     linear,
     matmul,
+    max_pool,
     relu,
     rms_norm,
     softmax,

@@ -1,7 +1,7 @@
-"""Whole convolutional models with the opt-in kinds (conv, batchnorm, relu) on: timm's and
-torchvision's ResNet-18 at 64x64, batch 4, fp32 on the CPU. Measured (2026-12-02, torch
-2.14): both keep 45% of the plain model's bytes for backward (the max-pool's int64 indices
-and the residual path stay plain), weight gradients at 38.5 dB or better, the rest exact."""
+"""Whole convolutional models with the opt-in kinds (conv, batchnorm, relu, pool) on: timm's
+and torchvision's ResNet-18 at 64x64, batch 4, fp32 on the CPU. Measured (2026-12-02, torch
+2.14): both keep 24.7% of the plain model's bytes for backward (45% before the max-pool
+kept a byte per output), weight gradients at 38.5 dB or better, the rest exact."""
 
 import copy
 
@@ -26,7 +26,7 @@ def _resnet18(source: str):
 
 
 @pytest.mark.parametrize("source", ["timm", "torchvision"])
-def test_resnet18_keeps_under_half_with_gradients_within_the_floor(source):
+def test_resnet18_keeps_under_a_third_with_gradients_within_the_floor(source):
     plain = _resnet18(source).train()
     wrapped = mesa_lite.wrap(copy.deepcopy(plain), CNN)
     converted = mesa_lite.wrapped_modules(wrapped).values()
@@ -35,7 +35,7 @@ def test_resnet18_keeps_under_half_with_gradients_within_the_floor(source):
     x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(1))
     kept_p, kept_w, out_p, out_w = kept_by_both(plain, wrapped, x)
     assert_equal(out_w, out_p, "logits")
-    assert kept_w <= 0.5 * kept_p, (kept_w, kept_p)
+    assert kept_w <= 0.3 * kept_p, (kept_w, kept_p)
     y = torch.arange(4)
     F.cross_entropy(out_p, y).backward()
     F.cross_entropy(out_w, y).backward()
