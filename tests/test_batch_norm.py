@@ -139,3 +139,31 @@ def test_conv_bn_relu_compiles_into_one_graph_within_the_floor():
         assert sqnr_db(p.grad, q.grad) >= 30, (n, sqnr_db(p.grad, q.grad))
     for (n, a), b in zip(eager.named_buffers(), src.buffers(), strict=True):
         torch.testing.assert_close(b, a, msg=n)
+
+
+def test_one_value_per_channel_raises_as_torch():
+    """A training batch with one value per channel raises F.batch_norm's own error (else the
+    running variance would turn NaN)."""
+    wrapped = mesa_lite.wrap(nn.BatchNorm1d(3), CNN)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        wrapped(torch.randn(1, 3, requires_grad=True))
+    assert torch.isfinite(wrapped.running_var).all()
+
+
+def test_channels_last_under_compile_matches_eager():
+    """aot_eager with debug_exact: the compiled backward gets a contiguous gradient where eager
+    mode passes a channels-last one; it is given the input's layout, so bit for bit."""
+    torch._dynamo.reset()
+    cfg = mesa_lite.Config(layers=LAYERS, debug_exact=True)
+    torch.manual_seed(0)
+    eager = mesa_lite.wrap(nn.BatchNorm2d(6), cfg)
+    src = copy.deepcopy(eager)
+    compiled = mesa_lite.compile(src, backend="aot_eager", fullgraph=True)
+    x = torch.randn(4, 6, 5, 5).to(memory_format=torch.channels_last)
+    grads = []
+    for m in (eager, compiled):
+        xi = x.clone().requires_grad_(True)
+        m(xi).square().sum().backward()
+        grads.append(xi.grad)
+    assert_equal(grads[1], grads[0])
+    assert_equal(src.weight.grad, eager.weight.grad)

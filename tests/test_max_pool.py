@@ -22,6 +22,8 @@ POOLS = {
     "dilated-ceil": dict(kernel_size=3, stride=2, padding=1, dilation=2, ceil_mode=True),
     "rect": dict(kernel_size=(2, 3), stride=(1, 2), padding=(1, 0)),
     "overlap-16x16": dict(kernel_size=16, stride=1),
+    "one-element-tuples": dict(kernel_size=(3,), stride=(2,), padding=(1,)),
+    "empty-stride": dict(kernel_size=2, stride=()),
 }
 
 

@@ -111,3 +111,25 @@ def test_compiles_into_one_graph_with_torch_gradients():
     F.cross_entropy(compiled(x), torch.arange(4)).backward()
     for (n, p), q in zip(eager.named_parameters(), src.parameters(), strict=True):
         assert sqnr_db(p.grad, q.grad) >= 30, (n, sqnr_db(p.grad, q.grad))
+
+
+def test_channels_last_gradient_keeps_the_layout():
+    """The input gradient takes the output's layout, as torch's ``threshold_backward`` gives
+    it: a BatchNorm before it then reduces in the same order, bit for bit with debug_exact."""
+    cfg = mesa_lite.Config(layers=CNN.layers, debug_exact=True)
+    x = torch.randn(4, 6, 5, 5, generator=torch.Generator().manual_seed(0))
+    x = x.to(memory_format=torch.channels_last)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.BatchNorm2d(6), nn.ReLU())
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), cfg)
+    grads = []
+    for m in (plain, wrapped):
+        xi = x.clone().requires_grad_(True)
+        m(xi).square().sum().backward()
+        grads.append((xi.grad, m[0].weight.grad))
+        h = xi.detach() * 1
+        h.requires_grad_(True)
+        (g,) = torch.autograd.grad(m[1](h), h, torch.ones_like(h))
+        assert g.is_contiguous(memory_format=torch.channels_last)
+    for a, b in zip(*grads, strict=True):
+        assert_equal(b, a)

@@ -108,6 +108,11 @@ class BatchNormFn(torch.autograd.Function):
         else:  # only the bias needs a gradient: the input is not read
             x = grad.new_empty_strided(x_shape, x_stride, dtype=x_dtype)
         w = autocast_cast(weight, dtype)
+        channels_last = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+        if torch.compiler.is_compiling() and channels_last and not x.is_contiguous():
+            # the compiler hands backward a contiguous gradient where eager mode passes the
+            # output's channels-last one on; the reductions follow the layout
+            grad = grad.contiguous(memory_format=torch.channels_last)
         mask = [need_x, need_w and weight is not None, need_b and ctx.param_dtypes[1] is not None]
         if ctx.impl < 0:
             gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
@@ -129,6 +134,7 @@ def batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, spec: 
     the normalized input compressed."""
     if plain_under_functorch("BatchNorm"):
         return F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
+    F._verify_batch_size(x.size())  # F.batch_norm's own check: one value per channel raises
     dtype = autocast_dtype("batch_norm", x.device)
     cfg = (momentum, eps, dtype)
     return BatchNormFn.apply(

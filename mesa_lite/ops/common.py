@@ -109,6 +109,22 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if method is None else method(t)
 
 
+def channels_last_perm(x: torch.Tensor) -> tuple[int, ...] | None:
+    """The permutation that makes a channels-last ``x`` contiguous (N, spatial..., C); None for
+    a contiguous ``x`` or any other layout (kept in row-major order)."""
+    if x.dim() < 4 or x.is_contiguous():
+        return None
+    perm = (0, *range(2, x.dim()), 1)
+    return perm if x.permute(perm).is_contiguous() else None
+
+
+def inverse_perm(perm: tuple[int, ...]) -> tuple[int, ...]:
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    return tuple(inv)
+
+
 def fresh(out: torch.Tensor) -> torch.Tensor:
     """A Function's output that is a view of a tensor made inside it (``F.linear`` on 3-D input,
     a folded matmul, an attention backend's transposed output), as a non-view alias of the same

@@ -19,8 +19,10 @@ from mesa_lite.ops.common import (
     autocast_cast,
     autocast_dtype,
     cast,
+    channels_last_perm,
     first_order_only,
     fresh,
+    inverse_perm,
     keep,
     plain_under_functorch,
     register_probe,
@@ -33,22 +35,6 @@ for _nd, _fn in _CONV.items():
         2,
         lambda a, b, fn=_fn, nd=_nd: fn(a.view((1,) * (nd + 2)), b.view((1,) * (nd + 2))),
     )
-
-
-def _channels_last_perm(x: torch.Tensor) -> tuple[int, ...] | None:
-    """The permutation that makes a channels-last ``x`` contiguous (N, spatial..., C); None for
-    a contiguous ``x`` or any other layout (kept in row-major order)."""
-    if x.dim() < 4 or x.is_contiguous():
-        return None
-    perm = (0, *range(2, x.dim()), 1)
-    return perm if x.permute(perm).is_contiguous() else None
-
-
-def _inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
-    inv = [0] * len(perm)
-    for i, p in enumerate(perm):
-        inv[p] = i
-    return tuple(inv)
 
 
 class ConvFn(torch.autograd.Function):
@@ -68,7 +54,7 @@ class ConvFn(torch.autograd.Function):
         px = None
         ctx.perm = None
         if need_w:
-            ctx.perm = _channels_last_perm(x)
+            ctx.perm = channels_last_perm(x)
             if ctx.perm is None:
                 px = keep(x, spec, share_key=shares[0])
             else:
@@ -91,7 +77,7 @@ class ConvFn(torch.autograd.Function):
         if need_w:
             x = quant.dequantize(px, x_dtype)
             if ctx.perm is not None:
-                x = x.permute(_inverse(ctx.perm))
+                x = x.permute(inverse_perm(ctx.perm))
         else:  # only its shape and layout are read
             x = grad.new_empty_strided(x_shape, x_stride, dtype=x_dtype)
         if need_x:

@@ -77,14 +77,22 @@ class MaxPool2dFn(torch.autograd.Function):
 
 
 def _pair(v) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else tuple(v)
+    """An int or a sequence of one or two ints, as torch's max_pool2d reads them."""
+    if isinstance(v, int):
+        return (v, v)
+    v = tuple(v)
+    return (v[0], v[0]) if len(v) == 1 else v
+
+
+def _seq(v) -> tuple:
+    return (v,) if isinstance(v, int) else tuple(v)
 
 
 def max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode):
     """``F.max_pool2d`` (no indices returned) keeping a byte per output when ``x`` needs grad
     and the window has at most 256 elements; otherwise ``F.max_pool2d`` itself."""
     kernel = _pair(kernel_size)
-    stride = kernel if stride is None or stride == [] else _pair(stride)
+    stride = kernel if stride is None or len(_seq(stride)) == 0 else _pair(stride)
     cfg = (kernel, stride, _pair(padding), _pair(dilation), ceil_mode)
     if (
         not (torch.is_grad_enabled() and x.requires_grad)

@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch
 
 from mesa_lite.kernels.bits import pack_bits, pack_bits_ref, unpack_bits
-from mesa_lite.ops.common import first_order_only, plain_under_functorch
+from mesa_lite.ops.common import (
+    channels_last_perm,
+    first_order_only,
+    inverse_perm,
+    plain_under_functorch,
+)
 
 
 class ReLUFn(torch.autograd.Function):
@@ -26,11 +31,16 @@ class ReLUFn(torch.autograd.Function):
         else:
             out = torch.relu(x)
         passes = out.le(0).logical_not_()
+        # kept in the output's memory order (channels-last too), so that the gradient takes
+        # the layout torch's backward gives it
+        ctx.perm = channels_last_perm(passes)
+        if ctx.perm is not None:
+            passes = passes.permute(ctx.perm)
         # the Triton packer is a direct launch, which torch.compile cannot trace: there the
         # reference's torch ops, which Inductor fuses
         packed = pack_bits_ref(passes) if torch.compiler.is_compiling() else pack_bits(passes)
         ctx.save_for_backward(packed)
-        ctx.shape = out.shape
+        ctx.shape = passes.shape
         return out
 
     @staticmethod
@@ -38,7 +48,10 @@ class ReLUFn(torch.autograd.Function):
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
         passes = unpack_bits(packed, ctx.shape)
-        return grad.masked_fill(passes.logical_not(), 0), None
+        if ctx.perm is not None:
+            passes = passes.permute(inverse_perm(ctx.perm))
+        # where, not masked_fill: masked_fill's result is contiguous whatever the layout
+        return torch.where(passes, grad, 0), None
 
 
 def relu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
