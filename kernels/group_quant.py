@@ -184,16 +184,12 @@ if HAS_TRITON:
         return (y + 12582912.0) - 12582912.0
 
     @triton.jit
-    def _absmax_bits(a_bits, axis: tl.constexpr):
-        """The largest ``|x|`` of each row as fp32 bits, from ``|x|``'s bits (``x`` bits with
-        the sign cleared): for non-negative floats the bit patterns order as the values do,
-        and every NaN's is above +inf's (0x7F800000), so one integer max finds both the
-        absmax and whether the row holds a NaN."""
-        return tl.max(a_bits, axis=axis)
-
-    @triton.jit
-    def _abs_bits(x):
-        return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    def _absmax_bits(x):
+        """The largest ``|x|`` of each row of a [ROWS, B] fp32 tile, as fp32 bits: with the
+        sign bit cleared, non-negative floats' bit patterns order as the values do, and every
+        NaN's is above +inf's (0x7F800000), so one integer max finds both the absmax and
+        whether the row holds a NaN."""
+        return tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
 
     @triton.jit
     def _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM: tl.constexpr):
@@ -226,7 +222,7 @@ if HAS_TRITON:
             offs = base[:, None] + c[None, :]
             mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
             x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
-            amax_bits = tl.maximum(amax_bits, _absmax_bits(_abs_bits(x), 1))
+            amax_bits = tl.maximum(amax_bits, _absmax_bits(x))
         return _scale_of(amax_bits, QMAX)
 
     @triton.jit
@@ -274,7 +270,7 @@ if HAS_TRITON:
             offs = base[:, None] + cols[None, :]
             mask = row_ok[:, None] & (cols[None, :] < group_size) & (offs < n)
             x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
-            scale = _scale_of(_absmax_bits(_abs_bits(x), 1), QMAX)
+            scale = _scale_of(_absmax_bits(x), QMAX)
             tl.store(scales_ptr + rows, scale, mask=row_ok)
             finite = ((scale > 0.0) & (scale < float("inf")))[:, None]
             safe = tl.where(finite, scale[:, None], 1.0)

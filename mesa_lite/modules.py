@@ -268,13 +268,12 @@ class _ConvNd(MesaModule):
     ``padding="same"`` that torch pads unevenly runs the plain op."""
 
     mesa_kind = "conv"
-    _mesa_nd: ClassVar[int] = 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight  # once: a parametrized weight is computed on each access
         if not self._mesa_active(x, weight, self.bias):
             return self._conv_forward(x, weight, self.bias)
-        nd = self._mesa_nd
+        nd = len(self.kernel_size)
         if x.dim() == nd + 1:  # unbatched, as torch's conv runs it: a batch of one
             return self.forward(x.unsqueeze(0)).squeeze(0)
         padding = self.padding
@@ -294,19 +293,13 @@ class _ConvNd(MesaModule):
 class Conv1d(_ConvNd, nn.Conv1d):
     """``nn.Conv1d`` keeping its input compressed."""
 
-    _mesa_nd = 1
-
 
 class Conv2d(_ConvNd, nn.Conv2d):
     """``nn.Conv2d`` keeping its input compressed."""
 
-    _mesa_nd = 2
-
 
 class Conv3d(_ConvNd, nn.Conv3d):
     """``nn.Conv3d`` keeping its input compressed."""
-
-    _mesa_nd = 3
 
 
 class _BatchNormNd(MesaModule):

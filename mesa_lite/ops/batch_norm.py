@@ -19,7 +19,9 @@ from mesa_lite.config import QuantSpec
 from mesa_lite.ops.common import (
     autocast_cast,
     autocast_dtype,
+    channels_last_perm,
     first_order_only,
+    inverse_perm,
     plain_under_functorch,
     register_probe,
 )
@@ -29,8 +31,9 @@ register_probe(
 )
 
 
-def _stat_shape(x: torch.Tensor) -> tuple[int, ...]:
-    return (1, x.shape[1]) + (1,) * (x.dim() - 2)
+def _stat_shape(shape) -> tuple[int, ...]:
+    """Per-channel statistics' shape, broadcasting over an input of ``shape``."""
+    return (1, shape[1]) + (1,) * (len(shape) - 2)
 
 
 def _keep_normalized(x, mean, invstd, spec: QuantSpec) -> quant.Packed:
@@ -41,7 +44,7 @@ def _keep_normalized(x, mean, invstd, spec: QuantSpec) -> quant.Packed:
     if x.is_contiguous() and spatial > 1:
         rows = (mean.float().repeat(n), invstd.float().repeat(n))
         return quant.quantize(x, spec, normalize=rows)
-    shape = _stat_shape(x)
+    shape = _stat_shape(x.shape)
     x_hat = (x.float() - mean.float().view(shape)) * invstd.float().view(shape)
     return quant.quantize(x_hat, spec)
 
@@ -51,7 +54,7 @@ def _rebuild_input(p: quant.Packed, mean, invstd, dtype, x_shape) -> torch.Tenso
     fp64)."""
     if p.spec.exact:
         return p.codes
-    shape = (1, x_shape[1]) + (1,) * (len(x_shape) - 2)
+    shape = _stat_shape(x_shape)
     x_hat = quant.dequantize(p, torch.float32).view(x_shape)
     x = x_hat / invstd.float().view(shape) + mean.float().view(shape)
     return x.to(dtype)
@@ -108,11 +111,11 @@ class BatchNormFn(torch.autograd.Function):
         else:  # only the bias needs a gradient: the input is not read
             x = grad.new_empty_strided(x_shape, x_stride, dtype=x_dtype)
         w = autocast_cast(weight, dtype)
-        channels_last = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
-        if torch.compiler.is_compiling() and channels_last and not x.is_contiguous():
+        perm = channels_last_perm(x) if torch.compiler.is_compiling() else None
+        if perm is not None:
             # the compiler hands backward a contiguous gradient where eager mode passes the
             # output's channels-last one on; the reductions follow the layout
-            grad = grad.contiguous(memory_format=torch.channels_last)
+            grad = grad.permute(perm).contiguous().permute(inverse_perm(perm))
         mask = [need_x, need_w and weight is not None, need_b and ctx.param_dtypes[1] is not None]
         if ctx.impl < 0:
             gx, gw, gb = torch.ops.aten.native_batch_norm_backward(

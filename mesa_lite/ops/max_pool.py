@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mesa_lite.ops.common import first_order_only, plain_under_functorch
+from mesa_lite.ops.common import first_order_only, needs_grad, plain_under_functorch
 
 
 def _grid(out_shape, cfg, device):
@@ -84,19 +84,15 @@ def _pair(v) -> tuple[int, int]:
     return (v[0], v[0]) if len(v) == 1 else v
 
 
-def _seq(v) -> tuple:
-    return (v,) if isinstance(v, int) else tuple(v)
-
-
 def max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode):
     """``F.max_pool2d`` (no indices returned) keeping a byte per output when ``x`` needs grad
     and the window has at most 256 elements; otherwise ``F.max_pool2d`` itself."""
     kernel = _pair(kernel_size)
-    stride = kernel if stride is None or len(_seq(stride)) == 0 else _pair(stride)
+    empty = stride is None or (not isinstance(stride, int) and len(stride) == 0)
+    stride = kernel if empty else _pair(stride)
     cfg = (kernel, stride, _pair(padding), _pair(dilation), ceil_mode)
     if (
-        not (torch.is_grad_enabled() and x.requires_grad)
-        or not x.is_floating_point()
+        not needs_grad(x)
         or x.dim() not in (3, 4)
         or kernel[0] * kernel[1] > 256
         or plain_under_functorch("MaxPool2d")

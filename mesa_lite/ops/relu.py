@@ -15,6 +15,7 @@ from mesa_lite.ops.common import (
     channels_last_perm,
     first_order_only,
     inverse_perm,
+    needs_grad,
     plain_under_functorch,
 )
 
@@ -57,11 +58,7 @@ class ReLUFn(torch.autograd.Function):
 def relu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     """``F.relu(x, inplace)`` keeping one bit per element when ``x`` needs grad; otherwise (no
     grad, non-floating input, inside torch.func transforms) ``F.relu`` itself."""
-    if (
-        not (torch.is_grad_enabled() and x.requires_grad)
-        or not x.is_floating_point()
-        or plain_under_functorch("ReLU")
-    ):
+    if not needs_grad(x) or plain_under_functorch("ReLU"):
         return torch.nn.functional.relu(x, inplace)
     if inplace and torch.compiler.is_compiling():
         # Dynamo breaks the graph at a Function that marks its input dirty; the compiler
