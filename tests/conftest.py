@@ -53,6 +53,27 @@ def kept_by_both(plain, wrapped, x) -> tuple[int, int, object, object]:
     return kept_p, kept_w, out_p, out_w
 
 
+def assert_compiles_like_eager(eager, x, loss, floor_db: float = 30.0):
+    """``mesa_lite.compile`` of a copy of the wrapped ``eager`` model, ``fullgraph=True``: no
+    graph break (counted on another copy, so buffers such as running statistics move alike in
+    both), and each parameter gradient of ``loss(model(x))`` within ``floor_db`` of eager
+    mode's. Returns the compiled copy's module, its gradients filled."""
+    import copy
+
+    import mesa_lite
+
+    torch._dynamo.reset()
+    src = copy.deepcopy(eager)
+    compiled = mesa_lite.compile(src, fullgraph=True)
+    explained = torch._dynamo.explain(copy.deepcopy(src))(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    loss(eager(x)).backward()
+    loss(compiled(x)).backward()
+    for (n, p), q in zip(eager.named_parameters(), src.parameters(), strict=True):
+        assert sqnr_db(p.grad, q.grad) >= floor_db, (n, sqnr_db(p.grad, q.grad))
+    return src
+
+
 def saved_activation_bytes(fn, params=()) -> tuple[int, object]:
     """Bytes of the unique storages kept for backward while ``fn()`` runs its forward.
 

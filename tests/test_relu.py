@@ -11,7 +11,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import assert_equal, kept_by_both, saved_activation_bytes, sqnr_db
+from conftest import (
+    assert_compiles_like_eager,
+    assert_equal,
+    kept_by_both,
+    saved_activation_bytes,
+    sqnr_db,
+)
 
 import mesa_lite
 
@@ -96,21 +102,14 @@ def test_relu_is_opt_in_and_in_place_on_a_leaf_fails_as_in_torch():
 def test_compiles_into_one_graph_with_torch_gradients():
     """torch.compile (Inductor, CPU): one graph, and the ReLU's gradient is exact, so only the
     convolutions' kept inputs separate it from eager mode (within the int8 floor)."""
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True),
                           nn.Conv2d(8, 8, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(4))  # fmt: skip
     x = torch.randn(4, 3, 10, 10, generator=torch.Generator().manual_seed(0))
     model(x)
-    eager = mesa_lite.wrap(model, CNN)
-    src = copy.deepcopy(eager)
-    compiled = mesa_lite.compile(src, fullgraph=True)
-    explained = torch._dynamo.explain(src)(x)
-    assert explained.graph_break_count == 0, explained.break_reasons
-    F.cross_entropy(eager(x), torch.arange(4)).backward()
-    F.cross_entropy(compiled(x), torch.arange(4)).backward()
-    for (n, p), q in zip(eager.named_parameters(), src.parameters(), strict=True):
-        assert sqnr_db(p.grad, q.grad) >= 30, (n, sqnr_db(p.grad, q.grad))
+    assert_compiles_like_eager(
+        mesa_lite.wrap(model, CNN), x, lambda out: F.cross_entropy(out, torch.arange(4))
+    )
 
 
 def test_channels_last_gradient_keeps_the_layout():
