@@ -36,7 +36,7 @@ from .common import (
     say,
     torch_dtype,
 )
-from .deit_memory import _train_step, make_model
+from .deit_memory import _compiled, _train_step, make_model
 from .llm_memory import MODELS as LLM_MODELS
 
 torch = lazy_import("torch")
@@ -77,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="amp = plain training, mesa = wrapped with the default Config")  # fmt: skip
     p.add_argument("--rows", type=positive_int, default=18, help="rows of each profiler table")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile each timm model (a fresh graph per mode)")  # fmt: skip
+                   help="compile each timm model, a wrapped one through mesa_lite.compile "
+                   "(a fresh graph per mode)")  # fmt: skip
     add_out_argument(p, "profile_step", "PREFIX.txt")
     return p
 
@@ -134,7 +135,7 @@ def run(argv=None) -> str:
             model = make_model(args.model, args.attention, mode, 224).cuda()
             if args.compile:  # compiled graphs are shared by class: a fresh one per mode
                 torch._dynamo.reset()
-                model = torch.compile(model)
+                model = _compiled(model, True, mode)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
             step = functools.partial(_train_step, model, opt, scaler, x, y, dtype)
