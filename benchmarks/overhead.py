@@ -12,16 +12,26 @@ block-level Functions), "block-per-op" the same Block through its per-op modules
 its own Function; what the block-level Functions replace). On a GPU the loop is synchronized
 once per timing, so queued work counts as well.
 
+``--profile N`` also writes PREFIX_profile.txt: per kind, the N functions with the most host
+time of their own (cProfile's tottime) over one timing's iterations of the wrapped module, with
+autograd's backward on the calling thread (on a GPU it otherwise runs on a device thread,
+which cProfile does not see). A torch op called from Python counts in its own entry; one called
+as an operator (``a @ b``) counts in its caller's.
+
 Writes PREFIX.jsonl and PREFIX.md (a fresh runs/ folder unless --out names a prefix).
 
     python benchmarks/overhead.py
     python benchmarks/overhead.py --kinds linear gelu --iters 500 --dtype fp32
+    python benchmarks/overhead.py --kinds linear block --profile 25
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 import time
@@ -64,9 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--width", type=positive_int, default=64, help="features (4 heads)")
     p.add_argument("--iters", type=positive_int, default=200, help="iterations per timing")
     p.add_argument("--repeats", type=positive_int, default=5, help="timings; the median counts")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also write PREFIX_profile.txt: the N functions with most host time "
+                        "per kind (cProfile of the wrapped module; 0: no profile)")  # fmt: skip
     add_dtype_argument(p)
     add_device_argument(p)
-    add_out_argument(p, "overhead", "PREFIX.jsonl and PREFIX.md")
+    add_out_argument(p, "overhead", "PREFIX.jsonl, PREFIX.md (and PREFIX_profile.txt)")
     return p
 
 
@@ -105,8 +118,8 @@ def _pair(kind: str, width: int):
     return plain, mesa_lite.wrap(copy.deepcopy(plain)), 1
 
 
-def _time_us(module, inputs, args, device) -> float:
-    """Median microseconds per iteration (forward, backward, gradients dropped)."""
+def _stepper(module, inputs, args, device):
+    """One iteration: forward, backward, gradients dropped."""
 
     def step():
         with autocast(device.type, args.dtype):
@@ -116,6 +129,36 @@ def _time_us(module, inputs, args, device) -> float:
             t.grad = None
         for q in module.parameters():
             q.grad = None
+
+    return step
+
+
+def _profile(module, inputs, args, device) -> str:
+    """cProfile's top ``args.profile`` entries by own time over ``args.iters`` iterations, per
+    iteration in microseconds, backward on the calling thread."""
+    step = _stepper(module, inputs, args, device)
+    with torch.autograd.set_multithreading_enabled(False):
+        step()
+        sync(device)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.iters):
+            step()
+        sync(device)
+        prof.disable()
+    stats = pstats.Stats(prof, stream=io.StringIO())
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[: args.profile]
+    lines = [f"{'own us/iter':>11} {'total us/iter':>13} {'calls/iter':>10}  function"]
+    for (file, line, name), (_, calls, own, total, _) in rows:
+        where = name if file == "~" else f"{Path(file).name}:{line}({name})"
+        lines.append(f"{own / args.iters * 1e6:11.1f} {total / args.iters * 1e6:13.1f} "
+                     f"{calls / args.iters:10.1f}  {where}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _time_us(module, inputs, args, device) -> float:
+    """Median microseconds per iteration (forward, backward, gradients dropped)."""
+    step = _stepper(module, inputs, args, device)
 
     for _ in range(max(5, args.iters // 10)):
         step()
@@ -142,7 +185,8 @@ def measure(kind: str, args) -> dict:
         inputs[1] = inputs[1].detach().transpose(1, 2).contiguous().requires_grad_()
     plain_us = _time_us(plain, inputs, args, device)
     wrapped_us = _time_us(wrapped, inputs, args, device)
-    return {
+    profile = _profile(wrapped, inputs, args, device) if args.profile else None
+    return profile, {
         "kind": kind,
         "plain_us": plain_us,
         "wrapped_us": wrapped_us,
@@ -155,10 +199,14 @@ def run(argv=None) -> list[dict]:
     args = parse_args(argv)
     env = environment()
     shape = {"batch": args.batch_size, "tokens": args.tokens, "width": args.width}
-    rows = []
+    rows, profiles = [], []
     for kind in progress(args.kinds, desc="kinds", unit="kind"):
-        row = dict(measure(kind, args), dtype=args.dtype, iters=args.iters, **shape, **env)
+        profile, row = measure(kind, args)
+        row = dict(row, dtype=args.dtype, iters=args.iters, **shape, **env)
         rows.append(row)
+        if profile is not None:
+            profiles.append(f"## {kind}: wrapped {row['wrapped_us']:.0f} us per iteration, "
+                            f"plain {row['plain_us']:.0f}\n\n{profile}\n")  # fmt: skip
         say(f"{kind}: plain {row['plain_us']:.0f} us, wrapped {row['wrapped_us']:.0f} us "
             f"({row['ratio']:.2f}x)")  # fmt: skip
     cols = [("kind", "op", "s"), ("plain_us", "plain us", ".0f"),
@@ -171,7 +219,13 @@ def run(argv=None) -> list[dict]:
         f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}.\n\n"
     )
     text = head + markdown_table(rows, cols) + "\n"
-    Outputs(args.out, "overhead").write_report(rows, text)
+    outputs = Outputs(args.out, "overhead")
+    if profiles:
+        outputs.path("_profile.txt").write_text(
+            f"Host profile per iteration (cProfile, backward on the calling thread), "
+            f"{head.strip()}\n\n" + "\n".join(profiles)
+        )
+    outputs.write_report(rows, text)
     return rows
 
 

@@ -24,7 +24,8 @@ if HAS_TRITON:
     from .group_quant import store_as
 
 __all__ = ["pack_bits", "pack_bits_ref", "unpack_bits", "dropout_backward",
-           "dropout_backward_ref"]  # fmt: skip
+           "dropout_backward_ref", "pack_positive", "pack_positive_ref", "relu_backward",
+           "relu_backward_ref"]  # fmt: skip
 
 _BLOCK = 1024  # bytes per program (8192 elements)
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
@@ -65,6 +66,16 @@ def dropout_backward_ref(grad: torch.Tensor, packed: torch.Tensor, scale: float)
     """PyTorch reference of :func:`dropout_backward`: ATen's own op on the unpacked mask."""
     mask = unpack_bits(packed, grad.shape)
     return torch.ops.aten.native_dropout_backward(grad, mask, scale)
+
+
+def pack_positive_ref(x: torch.Tensor) -> torch.Tensor:
+    """PyTorch reference of :func:`pack_positive`."""
+    return pack_bits_ref(x.le(0).logical_not_())
+
+
+def relu_backward_ref(grad: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """PyTorch reference of :func:`relu_backward`."""
+    return torch.where(unpack_bits(packed, grad.shape), grad, 0)
 
 
 def _check_packed(packed: torch.Tensor, n: int, where: str) -> None:
@@ -121,7 +132,75 @@ def dropout_backward(
     return out
 
 
+# raw bits of a floating dtype, to select elements without arithmetic (exact for any dtype)
+_BITS_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def pack_positive(x: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
+    """``pack_bits(~(x <= 0))`` in one pass over ``x`` (row-major order): the bit ReLU's
+    backward needs, set where ``x`` is positive or NaN, read from the output itself (no bool
+    tensor in between). ``use_triton`` as in :func:`pack_bits`."""
+    if not x.is_floating_point():
+        raise TypeError(f"pack_positive: x must be a floating tensor, got {x.dtype}")
+    if use_triton is None:
+        use_triton = use_triton_for(x)
+    if not use_triton or x.dtype == torch.float64:
+        return pack_positive_ref(x)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    n = x.numel()
+    nbytes = (n + 7) // 8
+    out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    if n:
+        _PACK_POSITIVE(((nbytes + _BLOCK - 1) // _BLOCK,), x, out, n, nbytes, _BLOCK)
+    return out
+
+
+def relu_backward(
+    grad: torch.Tensor, packed: torch.Tensor, use_triton: bool | None = None
+) -> torch.Tensor:
+    """``torch.where(mask, grad, 0)`` with ``mask`` as :func:`pack_positive` packed it (ReLU's
+    ``threshold_backward(grad, out, 0)``), in one pass reading the bits in registers; the
+    result is contiguous. Elements are selected as raw bits: exact for every dtype."""
+    _check_packed(packed, grad.numel(), "relu_backward")
+    if use_triton is None:
+        use_triton = use_triton_for(grad)
+    if not use_triton or not grad.is_floating_point():
+        return relu_backward_ref(grad, packed).contiguous()
+    if not grad.is_contiguous():
+        grad = grad.contiguous()
+    n = grad.numel()
+    out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+    if n:
+        as_bits = _BITS_OF[grad.element_size()]
+        _RELU_BACKWARD(
+            ((n + 8 * _BLOCK - 1) // (8 * _BLOCK),),
+            grad.view(as_bits), packed, out.view(as_bits), n, 8 * _BLOCK,
+        )  # fmt: skip
+    return out
+
+
 if HAS_TRITON:
+
+    @triton.jit
+    def _pack_positive_kernel(x_ptr, out_ptr, n, nbytes, BLOCK: tl.constexpr):
+        # a (BLOCK, 8) tile: byte b takes elements 8b..8b+7, bit j from element 8b+j
+        byte = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        j = tl.arange(0, 8)
+        i = byte[:, None] * 8 + j[None, :]
+        x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+        passes = tl.where(x <= 0, 0, 1)  # NaN compares false: passes, as torch's backward
+        packed = tl.sum(passes << j[None, :], axis=1)
+        tl.store(out_ptr + byte, packed.to(tl.uint8), mask=byte < nbytes)
+
+    @triton.jit
+    def _relu_backward_kernel(grad_ptr, packed_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n
+        g = tl.load(grad_ptr + offs, mask=inside, other=0)
+        byte = tl.load(packed_ptr + offs // 8, mask=inside, other=0).to(tl.int32)
+        m = (byte >> (offs % 8).to(tl.int32)) & 1
+        tl.store(out_ptr + offs, tl.where(m != 0, g, tl.zeros_like(g)), mask=inside)
 
     @triton.jit
     def _pack_kernel(mask_ptr, out_ptr, n, nbytes, BLOCK: tl.constexpr):
@@ -145,4 +224,6 @@ if HAS_TRITON:
         store_as(out_ptr, offs, g * m * scale, inside, OUT_BF16)
 
     _PACK = Launcher(_pack_kernel)
+    _PACK_POSITIVE = Launcher(_pack_positive_kernel)
+    _RELU_BACKWARD = Launcher(_relu_backward_kernel)
     _DROPOUT_BACKWARD = Launcher(_dropout_backward_kernel)

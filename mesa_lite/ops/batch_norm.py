@@ -50,14 +50,14 @@ def _keep_normalized(x, mean, invstd, spec: QuantSpec) -> quant.Packed:
 
 
 def _rebuild_input(p: quant.Packed, mean, invstd, dtype, x_shape) -> torch.Tensor:
-    """The input from its normalized codes (or the input itself, kept exactly: debug_exact,
-    fp64)."""
+    """The input from its normalized codes, ``x_hat / invstd + mean`` per channel in fp32 then
+    one cast to ``dtype``, in one dequantize pass (rows of the spatial size; no fp32
+    temporaries), in row-major order; or the input itself, kept exactly (debug_exact, fp64)."""
     if p.spec.exact:
         return p.codes
-    shape = _stat_shape(x_shape)
-    x_hat = quant.dequantize(p, torch.float32).view(x_shape)
-    x = x_hat / invstd.float().view(shape) + mean.float().view(shape)
-    return x.to(dtype)
+    n = x_shape[0] if len(x_shape) > 1 else 1
+    rows = (mean.float().repeat(n), invstd.float().repeat(n))
+    return quant.unnormalize(p, *rows, dtype).view(x_shape)
 
 
 class BatchNormFn(torch.autograd.Function):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mesa_lite.kernels.bits import pack_bits, pack_bits_ref, unpack_bits
+from mesa_lite.kernels.bits import pack_positive, pack_positive_ref, relu_backward, unpack_bits
 from mesa_lite.ops.common import (
     channels_last_perm,
     first_order_only,
@@ -31,26 +31,31 @@ class ReLUFn(torch.autograd.Function):
             ctx.mark_dirty(x)
         else:
             out = torch.relu(x)
-        passes = out.le(0).logical_not_()
         # kept in the output's memory order (channels-last too), so that the gradient takes
         # the layout torch's backward gives it
-        ctx.perm = channels_last_perm(passes)
-        if ctx.perm is not None:
-            passes = passes.permute(ctx.perm)
-        # the Triton packer is a direct launch, which torch.compile cannot trace: there the
-        # reference's torch ops, which Inductor fuses
-        packed = pack_bits_ref(passes) if torch.compiler.is_compiling() else pack_bits(passes)
+        ctx.perm = channels_last_perm(out)
+        src = out if ctx.perm is None else out.permute(ctx.perm)
+        # the Triton packer (one pass over the output) is a direct launch, which torch.compile
+        # cannot trace: there the reference's torch ops, which Inductor fuses
+        compiling = torch.compiler.is_compiling()
+        packed = pack_positive_ref(src) if compiling else pack_positive(src)
         ctx.save_for_backward(packed)
-        ctx.shape = passes.shape
+        ctx.shape = src.shape
         return out
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
+        perm = ctx.perm
+        g = grad if perm is None else grad.permute(perm)
+        if not torch.compiler.is_compiling() and g.is_contiguous():
+            # the gradient in the bits' order: one pass, the result in the gradient's layout
+            out = relu_backward(g, packed)
+            return (out if perm is None else out.permute(inverse_perm(perm))), None
         passes = unpack_bits(packed, ctx.shape)
-        if ctx.perm is not None:
-            passes = passes.permute(inverse_perm(ctx.perm))
+        if perm is not None:
+            passes = passes.permute(inverse_perm(perm))
         # where, not masked_fill: masked_fill's result is contiguous whatever the layout
         return torch.where(passes, grad, 0), None
 

@@ -64,3 +64,36 @@ def test_dropout_backward_matches_cuda_native_dropout_backward(dtype):
     out = bits.dropout_backward(grad, bits.pack_bits(mask), 1 / 0.7)
     assert_equal(out, ref, "grad")
     assert_equal(bits.pack_bits(mask), bits.pack_bits_ref(mask), "packed")
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_relu_bits_and_backward_match_threshold_backward(dtype, n, triton_device):
+    """The ReLU pair: bits packed from the output itself (positive or NaN pass, -0.0 and 0
+    do not), and the backward read from them, bit for bit as ATen's threshold_backward."""
+    g = torch.Generator().manual_seed(n)
+    out = torch.relu(torch.randn(n, generator=g)).to(dtype)
+    special = torch.tensor([float("nan"), -0.0, float("inf"), 0.0, 1e-30])[: min(n, 5)]
+    out[: special.numel()] = special.to(dtype)
+    grad = (torch.randn(n, generator=g) * 3).to(dtype)
+    grad[-min(n, 2) :] = torch.tensor([float("nan"), -float("inf")][: min(n, 2)]).to(dtype)
+    packed = bits.pack_positive(out.to(triton_device), use_triton=True)
+    assert_equal(packed.cpu(), bits.pack_positive_ref(out), "packed")
+    assert torch.equal(bits.unpack_bits(packed.cpu(), (n,)), ~(out <= 0))
+    got = bits.relu_backward(grad.to(triton_device), packed, use_triton=True)
+    ref = torch.ops.aten.threshold_backward(grad, out, 0)
+    assert got.dtype == dtype and got.is_contiguous()
+    assert_equal(got.cpu(), ref, "grad")  # NaN gradients of blocked elements become 0, as ATen's
+    assert_equal(bits.relu_backward_ref(grad, packed.cpu()), ref, "reference")
+
+
+def test_relu_bits_layouts_and_checks(triton_device):
+    x = torch.relu(torch.randn(6, 10)).t().to(triton_device)  # packed in row-major order of x
+    assert_equal(bits.pack_positive(x, use_triton=True).cpu(), bits.pack_positive_ref(x.cpu()),
+                 "packed")  # fmt: skip
+    assert bits.pack_positive(x[:0], use_triton=True).numel() == 0
+    with pytest.raises(TypeError, match="floating"):
+        bits.pack_positive(torch.ones(3, dtype=torch.int32, device=triton_device))
+    with pytest.raises(ValueError, match="2 packed uint8 bytes"):
+        bits.relu_backward(torch.randn(9, device=triton_device),
+                           torch.zeros(3, dtype=torch.uint8, device=triton_device))  # fmt: skip
