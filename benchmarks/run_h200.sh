@@ -104,8 +104,8 @@ if [[ $what == cnn ]]; then
   python3 benchmarks/deit_memory.py --models convnext_tiny swin_tiny_patch4_window7_224 \
     --batch-size 128 --dtype fp16 --attention fused --modes amp ckpt mesa --bits 8 4 \
     --opt-in --no-plot --out "$OUT/cnn_memory_gpu_128" 2>&1 | grep "^| "
-  timeout 150 python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/test_conv.py \
-    tests/test_relu.py tests/test_batch_norm.py tests/models/test_cnn.py 2>&1 | tail -n 3
+  timeout 110 python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/test_conv.py \
+    tests/test_relu.py tests/test_batch_norm.py tests/models/test_cnn.py tests/kernels/test_bits.py 2>&1 | tail -n 3
 fi
 if [[ $what == llm ]]; then
   # issue 13: the language-model tests on CUDA, the memory and step-time rows (GPT-2 small and
