@@ -14,11 +14,11 @@ from typing import Any
 LAYER_KINDS: tuple[str, ...] = (
     "linear", "gelu", "softmax", "layernorm", "matmul", "attention",
     "silu", "rmsnorm", "dropout", "loss", "conv", "relu", "batchnorm",
-    "pool",
+    "pool", "se",
 )  # fmt: skip
 # Config.layers' default: every kind but those still opt-in (convolutional networks' layers,
 # new, not yet measured on a GPU; Config(layers=DEFAULT_LAYERS | OPT_IN_KINDS) turns them on)
-OPT_IN_KINDS: frozenset[str] = frozenset({"conv", "relu", "batchnorm", "pool"})
+OPT_IN_KINDS: frozenset[str] = frozenset({"conv", "relu", "batchnorm", "pool", "se"})
 DEFAULT_LAYERS: frozenset[str] = frozenset(LAYER_KINDS) - OPT_IN_KINDS
 ROUNDINGS: tuple[str, ...] = ("nearest", "stochastic")
 SUPPORTED_BITS: tuple[int, ...] = (8, 4, 2)
@@ -160,7 +160,7 @@ class Config:
             stochastic below, per layer.
         layers: which layer kinds to wrap, a subset of ``LAYER_KINDS``; by default
             ``DEFAULT_LAYERS``, every kind but the opt-in ``OPT_IN_KINDS`` (``"conv"``,
-            ``"relu"``, ``"batchnorm"``, ``"pool"``).
+            ``"relu"``, ``"batchnorm"``, ``"pool"``, ``"se"``).
         overrides: per-module settings, ``{name_or_glob: {field: value}}`` with fields
             ``bits``, ``group_size``, ``rounding`` and ``enabled`` (False leaves that module
             exact). Names are those of ``model.named_modules()``; fnmatch globs are allowed.

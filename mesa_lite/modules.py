@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 
 from mesa_lite.config import QuantSpec
-from mesa_lite.ops.activation import activation, silu_grad
+from mesa_lite.ops.activation import _silu_, activation, silu_grad
 from mesa_lite.ops.attention import scaled_dot_product_attention, sdpa_backends_enabled
 from mesa_lite.ops.batch_norm import batch_norm
 from mesa_lite.ops.common import in_functorch_transform, needs_grad
@@ -446,11 +446,21 @@ class Activation(MesaModule, nn.Module):
         ``GELU_FORMS`` lists, else None (autograd on the formula)."""
         return super().forward, GELU_FORMS.get(self.__dict__.get("_mesa_orig_cls"))
 
+    def mesa_inplace_formula(self):
+        """The in-place form of the formula, for a module built with ``inplace=True`` (None:
+        such a module runs plain)."""
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._mesa_active(x) or getattr(self, "inplace", False):
+        if not self._mesa_active(x):
             return super().forward(x)
+        inplace_fn = None
+        if getattr(self, "inplace", False):
+            inplace_fn = self.mesa_inplace_formula()
+            if inplace_fn is None:
+                return super().forward(x)
         fn, grad_fn = self.mesa_formula()
-        return activation(x, fn, self.mesa_spec, grad_fn, type(self).__name__)
+        return activation(x, fn, self.mesa_spec, grad_fn, type(self).__name__, inplace_fn)
 
 
 class SiLU(Activation):
@@ -461,6 +471,9 @@ class SiLU(Activation):
 
     def mesa_formula(self):
         return F.silu, silu_grad
+
+    def mesa_inplace_formula(self):
+        return _silu_
 
 
 class Dropout(MesaModule, nn.Dropout):

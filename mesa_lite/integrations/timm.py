@@ -26,6 +26,7 @@ from mesa_lite.modules import (
     softmax,
 )
 from mesa_lite.ops.common import autocast_dtype
+from mesa_lite.ops.mul import scale_mul
 
 try:
     import timm.layers as _tl
@@ -80,7 +81,52 @@ def registrations() -> list[tuple[type, type, str, object, str | None]]:
         regs.append((linear, Linear, "linear", None, None))
     if _BatchNormAct2d is not None:
         regs.append((_BatchNormAct2d, BatchNormAct2d, "batchnorm", None, None))
+    if _SqueezeExcite is not None:
+        regs.append((_SqueezeExcite, SqueezeExcite, "se", None, None))
+    if _SEModule is not None:
+        regs.append((_SEModule, SEModule, "se", None, None))
     return regs
+
+
+try:
+    from timm.layers.squeeze_excite import SEModule as _SEModule
+    from timm.models._efficientnet_blocks import SqueezeExcite as _SqueezeExcite
+except ImportError:  # pragma: no cover - timm missing, or moved them
+    _SEModule = _SqueezeExcite = None
+
+if _SqueezeExcite is not None:
+
+    class SqueezeExcite(MesaModule, _SqueezeExcite):
+        """timm's EfficientNet/MobileNet ``SqueezeExcite``: its forward, with the final
+        ``x * gate`` keeping ``x`` compressed (``ops/mul.py``; the SiLU before it has
+        registered codes for it, so nothing new is kept) and the per-channel gate itself."""
+
+        mesa_kind = "se"
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self._mesa_active(x):
+                return _SqueezeExcite.forward(self, x)
+            x_se = x.mean((2, 3), keepdim=True)
+            x_se = self.conv_expand(self.act1(self.conv_reduce(x_se)))
+            return scale_mul(x, self.gate(x_se), self.mesa_spec)
+
+
+if _SEModule is not None:
+
+    class SEModule(MesaModule, _SEModule):
+        """timm's ``SEModule`` (SE-ResNet, RegNet, ...): its forward, with the final
+        ``x * gate`` as ``SqueezeExcite``'s."""
+
+        mesa_kind = "se"
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self._mesa_active(x):
+                return _SEModule.forward(self, x)
+            x_se = x.mean((2, 3), keepdim=True)
+            if self.add_maxpool:
+                x_se = 0.5 * x_se + 0.5 * x.amax((2, 3), keepdim=True)
+            x_se = self.fc2(self.act(self.bn(self.fc1(x_se))))
+            return scale_mul(x, self.gate(x_se), self.mesa_spec)
 
 
 _BatchNormAct2d = getattr(_tl, "BatchNormAct2d", None) if _tl is not None else None

@@ -73,17 +73,30 @@ class ActivationFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, fn, grad_fn, spec: QuantSpec):
+    def forward(ctx, x, fn, grad_fn, spec: QuantSpec, inplace_fn=None, shared=None):
         state = autocast_state(x.device)
-        out = fn(x)
-        p = keep(x, spec, max_steps=quant.MAX_RECIPE_STEPS - 1)
+        if inplace_fn is None:
+            out = fn(x)
+            p = keep(x, spec, max_steps=quant.MAX_RECIPE_STEPS - 1)
+        else:
+            # in place (``nn.SiLU(inplace=True)``, as timm's EfficientNets build it): the input
+            # is kept before the op overwrites it; kept exactly, a copy of it
+            if spec.exact or not quant.compressible(x):
+                p = quant.quantize(x.clone(), spec)
+            else:
+                p = keep(x, spec, max_steps=quant.MAX_RECIPE_STEPS - 1)
+            out = inplace_fn(x)
+            ctx.mark_dirty(x)
         quant.save(ctx, p)
         grad_fn = backward_for(grad_fn, spec)
         step = (
             ("gelu", x.dtype, grad_fn) if isinstance(grad_fn, str) else ("act", x.dtype, fn, state)
         )
         if out.shape == x.shape:
-            quant.share(out, p.derived(step, out.dtype))
+            if shared is None:
+                quant.share(out, p.derived(step, out.dtype))
+            else:  # registered by the caller: apply bumps a dirty output's version on return
+                shared.append(p.derived(step, out.dtype))
         ctx.fn, ctx.grad_fn, ctx.state, ctx.x_dtype = fn, grad_fn, state, x.dtype
         return out
 
@@ -93,9 +106,10 @@ class ActivationFn(torch.autograd.Function):
         (px,) = quant.load(ctx)
         if isinstance(ctx.grad_fn, str):  # GELU's fused backward from the codes
             gx = gelu_input_grad(px, grad.to(ctx.x_dtype), ctx.grad_fn, ctx.x_dtype)
-            return gx, None, None, None
+            return gx, None, None, None, None, None
         x = quant.dequantize(px, ctx.x_dtype)
-        return activation_grad(ctx.fn, ctx.grad_fn, ctx.state, x, grad), None, None, None
+        grad_x = activation_grad(ctx.fn, ctx.grad_fn, ctx.state, x, grad)
+        return grad_x, None, None, None, None, None
 
 
 def backward_for(grad_fn, spec: QuantSpec):
@@ -124,13 +138,30 @@ def activation_grad(fn, grad_fn, state: tuple, x: torch.Tensor, grad: torch.Tens
     return gx
 
 
-def activation(x: torch.Tensor, fn, spec: QuantSpec, grad_fn=None, name: str = "activation"):
-    """``fn(x)`` keeping ``x`` compressed for backward (``ActivationFn``)."""
+def activation(x: torch.Tensor, fn, spec: QuantSpec, grad_fn=None, name: str = "activation",
+               inplace_fn=None):  # fmt: skip
+    """``fn(x)`` keeping ``x`` compressed for backward (``ActivationFn``); with ``inplace_fn``
+    (``fn``'s in-place form) ``x`` is overwritten and returned, as the in-place op does."""
     if plain_under_functorch(name):
-        return fn(x)
-    return ActivationFn.apply(x, fn, grad_fn, spec)
+        return fn(x) if inplace_fn is None else inplace_fn(x)
+    if inplace_fn is not None and torch.compiler.is_compiling():
+        # Dynamo breaks the graph at a Function that marks its input dirty; the compiler
+        # makes the copy in place again
+        return x.copy_(ActivationFn.apply(x, fn, grad_fn, spec))
+    if inplace_fn is None:
+        return ActivationFn.apply(x, fn, grad_fn, spec)
+    shared: list = []
+    out = ActivationFn.apply(x, fn, grad_fn, spec, inplace_fn, shared)
+    for p in shared:
+        quant.share(out, p)
+    return out
 
 
-def silu(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """``F.silu(x)`` (out of place) keeping ``x`` compressed."""
-    return activation(x, torch.nn.functional.silu, spec, silu_grad, "SiLU")
+def _silu_(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(x, inplace=True)
+
+
+def silu(x: torch.Tensor, spec: QuantSpec, inplace: bool = False) -> torch.Tensor:
+    """``F.silu(x, inplace)`` keeping ``x`` compressed."""
+    return activation(x, torch.nn.functional.silu, spec, silu_grad, "SiLU",
+                      _silu_ if inplace else None)  # fmt: skip

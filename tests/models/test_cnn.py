@@ -63,8 +63,9 @@ def test_debug_exact_is_bit_for_bit(name):
 
 @pytest.mark.parametrize(
     ("name", "kept_at_most"),
-    # measured 0.549 and 0.477: squeeze-excitation multiplies and pooling stay plain
-    [("efficientnet_b0", 0.6), ("mobilenetv3_small_100", 0.5)],
+    # measured 0.200 and 0.427 (0.549 and 0.477 before the in-place SiLU and the
+    # squeeze-excitation multiply were compressed); MobileNetV3's hard-swish stays plain
+    [("efficientnet_b0", 0.25), ("mobilenetv3_small_100", 0.5)],
 )
 def test_timm_batchnorm_act_models(name, kept_at_most):
     """EfficientNet-B0 and MobileNetV3 (timm's BatchNormAct2d, depthwise convolutions, SiLU and
