@@ -96,7 +96,7 @@ if [[ $what == speed-tests ]]; then
   tail -n 3 "$OUT"/speed_*tests.txt
 fi
 if [[ $what == cnn ]]; then
-  # convolutional networks with the opt-in kinds (conv, batchnorm, relu): peak and step, plain
+  # convolutional networks with the opt-in kinds (conv, batchnorm, relu, pool, se): peak, step, plain
   # AMP, checkpointing and 8 / 4 bits, then their CUDA tests (time-limited, after)
   python3 benchmarks/deit_memory.py --models resnet50 efficientnet_b0 --batch-size 256 \
     --dtype fp16 --attention fused --modes amp ckpt mesa --bits 8 4 --opt-in --no-plot \
@@ -105,7 +105,8 @@ if [[ $what == cnn ]]; then
     --batch-size 128 --dtype fp16 --attention fused --modes amp ckpt mesa --bits 8 4 \
     --opt-in --no-plot --out "$OUT/cnn_memory_gpu_128" 2>&1 | grep "^| "
   timeout 110 python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/test_conv.py \
-    tests/test_relu.py tests/test_batch_norm.py tests/models/test_cnn.py tests/kernels/test_bits.py 2>&1 | tail -n 3
+    tests/test_relu.py tests/test_batch_norm.py tests/models/test_cnn.py tests/kernels/test_bits.py \
+    tests/test_squeeze_excite.py 2>&1 | tail -n 3
 fi
 if [[ $what == llm ]]; then
   # issue 13: the language-model tests on CUDA, the memory and step-time rows (GPT-2 small and
