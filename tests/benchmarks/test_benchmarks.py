@@ -229,6 +229,22 @@ def test_overhead_times_every_kind_plain_and_wrapped(tmp_path):
         assert r["ratio"] == pytest.approx(r["wrapped_us"] / r["plain_us"])
         assert r["added_us"] == pytest.approx(r["wrapped_us"] - r["plain_us"])
     assert "| attention |" in (tmp_path / "ov.md").read_text()
+    assert not (tmp_path / "ov_profile.txt").exists()
+
+
+def test_overhead_profile_lists_the_wrapped_ops_functions(tmp_path):
+    """--profile: per kind, the top functions of the wrapped module by own time, backward's
+    Python included (it runs on the calling thread there)."""
+    from benchmarks import overhead
+
+    argv = ["--device", "cpu", "--dtype", "fp32", "--iters", "3", "--repeats", "1",
+            "--kinds", "linear", "--profile", "40", "--out", str(tmp_path / "ov")]  # fmt: skip
+    overhead.run(argv)
+    text = (tmp_path / "ov_profile.txt").read_text()
+    assert "## linear: wrapped" in text
+    lines = text.split("## linear")[1].splitlines()
+    assert 5 <= len([ln for ln in lines if ln.strip()]) <= 42
+    assert "linear.py" in text and "(linear_backward)" in text  # backward seen
 
 
 def test_checkpoint_pareto_cpu_rows_and_chart(tmp_path):
