@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="paired seeds: each gives every config the same init and batches",
     )
     p.add_argument("--epochs", type=positive_int, default=30, help="training epochs per run")
+    p.add_argument("--arch", choices=["vit", "cnn"], default="vit",
+                   help="digits model: a small ViT, or a small CNN (Conv-BatchNorm-ReLU, "
+                        "max-pooling; its mesa runs add mesa_lite.OPT_IN_KINDS)")  # fmt: skip
     p.add_argument("--depth", type=positive_int, default=4, help="digits ViT: blocks")
     p.add_argument("--embed-dim", type=positive_int, default=64, help="digits ViT: width (4 heads)")
     p.add_argument("--batch-size", type=positive_int, default=64, help="images per step")
@@ -161,6 +164,21 @@ def digits_model(depth: int = 4, embed_dim: int = 64):
     )  # fmt: skip
 
 
+def digits_cnn(width: int = 32):
+    """A small CNN for 8x8 digits: three Conv-BatchNorm-ReLU stages (a max-pool after the
+    first), global average pooling and a Linear head."""
+    nn = torch.nn
+
+    def stage(c_in, c_out):
+        return [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out),
+                nn.ReLU(inplace=True)]  # fmt: skip
+
+    return nn.Sequential(
+        *stage(1, width), nn.MaxPool2d(2), *stage(width, 2 * width), *stage(2 * width, 2 * width),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2 * width, 10),
+    )  # fmt: skip
+
+
 def parse_config(text: str | None) -> dict:
     if not text:
         return {}
@@ -217,7 +235,8 @@ def run_digits(args) -> list[dict]:
                    disable=True if args.quiet else None)  # fmt: skip
     for seed in args.seeds:
         torch.manual_seed(seed)
-        init = digits_model(args.depth, args.embed_dim)  # every config starts from these
+        # every config starts from these weights
+        init = digits_cnn() if args.arch == "cnn" else digits_model(args.depth, args.embed_dim)
         for label, bits in configs:
             bar.set_postfix_str(f"seed {seed} {label}")
             model = copy.deepcopy(init).to(device)
@@ -227,12 +246,15 @@ def run_digits(args) -> list[dict]:
                     for p in model.parameters():
                         p.mul_(1 + 1e-6 * torch.randn(p.shape, generator=g).to(p.device))
             elif bits is not None:
-                mesa_lite.wrap(model, mesa_lite.Config(bits=bits, **extra))
+                kinds = {"layers": mesa_lite.DEFAULT_LAYERS | mesa_lite.OPT_IN_KINDS}
+                kinds = kinds if args.arch == "cnn" and "layers" not in extra else {}
+                mesa_lite.wrap(model, mesa_lite.Config(bits=bits, **kinds, **extra))
             torch.manual_seed(seed)  # stochastic rounding draws, reproducible per run
             t0 = time.perf_counter()
             res = train_once(model, data, args, seed, device)
             width = bits if isinstance(bits, int) else None
-            row = {"dataset": "digits", "config": label, "bits": width, "seed": seed,
+            row = {"dataset": "digits", "arch": args.arch, "config": label, "bits": width,
+                   "seed": seed,
                    "epochs": args.epochs, "amp": args.dtype, "extra_config": extra,
                    "depth": args.depth, "embed_dim": args.embed_dim, "lr": args.lr,
                    "batch_size": args.batch_size, "seconds": time.perf_counter() - t0, **res,
@@ -279,6 +301,7 @@ def run(argv=None) -> dict:
         rows = read_jsonl(args.from_jsonl)
         for key in ("depth", "embed_dim", "lr", "batch_size", "epochs"):
             setattr(args, key, rows[0].get(key, "?"))
+        args.arch = rows[0].get("arch", "vit")
         args.dtype = rows[0]["amp"]
         args.seeds = sorted({r["seed"] for r in rows})
     else:
@@ -288,9 +311,14 @@ def run(argv=None) -> dict:
     write_jsonl(out.path(".jsonl"), rows)
     env = rows[0]
     precision = "fp32 (no autocast)" if args.dtype == "fp32" else f"{args.dtype} autocast"
+    model = (
+        "a small CNN (3 Conv-BatchNorm-ReLU stages, opt-in kinds on)"
+        if args.arch == "cnn"
+        else f"ViT {args.depth}x{args.embed_dim}"
+    )
     head = (
-        f"Test accuracy on scikit-learn digits (360 test images), ViT {args.depth}x"
-        f"{args.embed_dim}, {args.epochs} epochs, lr {args.lr}, batch {args.batch_size}, "
+        f"Test accuracy on scikit-learn digits (360 test images), {model}, {args.epochs} "
+        f"epochs, lr {args.lr}, batch {args.batch_size}, "
         f"{precision}, {len(args.seeds)} seed{'s' if len(args.seeds) > 1 else ''} "
         f"{_seed_text(args.seeds)} (paired: "
         f"same init and batch order), {env['device']}, torch {env['torch']}, "

@@ -133,7 +133,8 @@ def dropout_backward(
 
 
 # raw bits of a floating dtype, to select elements without arithmetic (exact for any dtype)
-_BITS_OF = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BITS_OF = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_PACKS = (torch.float32, torch.float16, torch.bfloat16)  # what the packer's compare reads
 
 
 def pack_positive(x: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
@@ -144,7 +145,7 @@ def pack_positive(x: torch.Tensor, use_triton: bool | None = None) -> torch.Tens
         raise TypeError(f"pack_positive: x must be a floating tensor, got {x.dtype}")
     if use_triton is None:
         use_triton = use_triton_for(x)
-    if not use_triton or x.dtype == torch.float64:
+    if not use_triton or x.dtype not in _PACKS:
         return pack_positive_ref(x)
     if not x.is_contiguous():
         x = x.contiguous()

@@ -18,11 +18,13 @@ from torch.nn.utils import parametrize
 from mesa_lite.config import QuantSpec
 from mesa_lite.ops.activation import _silu_, activation, silu_grad
 from mesa_lite.ops.attention import scaled_dot_product_attention, sdpa_backends_enabled
-from mesa_lite.ops.batch_norm import batch_norm
+from mesa_lite.ops.avg_pool import adaptive_avg_pool2d, avg_pool2d
+from mesa_lite.ops.batch_norm import batch_norm, instance_norm
 from mesa_lite.ops.common import in_functorch_transform, needs_grad
 from mesa_lite.ops.conv import conv, same_padding
 from mesa_lite.ops.dropout import dropout
 from mesa_lite.ops.gelu import gelu
+from mesa_lite.ops.group_norm import group_norm
 from mesa_lite.ops.layer_norm import layer_norm
 from mesa_lite.ops.linear import linear
 from mesa_lite.ops.matmul import matmul
@@ -302,6 +304,38 @@ class Conv3d(_ConvNd, nn.Conv3d):
     """``nn.Conv3d`` keeping its input compressed."""
 
 
+class _ConvTransposeNd(MesaModule):
+    """``nn.ConvTranspose1d/2d/3d`` keeping its (autocast-cast) input compressed: any stride,
+    padding, output padding (or ``output_size``), dilation, groups and channels-last input;
+    an unbatched input runs the plain op."""
+
+    mesa_kind = "conv"
+
+    def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        nd = len(self.kernel_size)
+        if not self._mesa_active(x, self.weight, self.bias) or x.dim() == nd + 1:
+            return super().forward(x, output_size)
+        if self.padding_mode != "zeros":  # torch's own error
+            return super().forward(x, output_size)
+        output_padding = self._output_padding(
+            x, output_size, self.stride, self.padding, self.kernel_size, nd, self.dilation
+        )
+        return conv(x, self.weight, self.bias, nd, self.stride, self.padding, self.dilation,
+                    self.groups, self.mesa_spec, output_padding)  # fmt: skip
+
+
+class ConvTranspose1d(_ConvTransposeNd, nn.ConvTranspose1d):
+    """``nn.ConvTranspose1d`` keeping its input compressed."""
+
+
+class ConvTranspose2d(_ConvTransposeNd, nn.ConvTranspose2d):
+    """``nn.ConvTranspose2d`` keeping its input compressed."""
+
+
+class ConvTranspose3d(_ConvTransposeNd, nn.ConvTranspose3d):
+    """``nn.ConvTranspose3d`` keeping its input compressed."""
+
+
 class _BatchNormNd(MesaModule):
     """``nn.BatchNorm1d/2d/3d`` in training mode keeping its normalized input compressed
     (``ops/batch_norm.py``); the running statistics and ``num_batches_tracked`` are updated as
@@ -338,6 +372,59 @@ class BatchNorm3d(_BatchNormNd, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` keeping its normalized input compressed."""
 
 
+class GroupNorm(MesaModule, nn.GroupNorm):
+    """``nn.GroupNorm`` keeping its normalized input compressed (``ops/group_norm.py``)."""
+
+    mesa_kind = "groupnorm"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._mesa_active(x, self.weight, self.bias):
+            return super().forward(x)
+        return group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self.mesa_spec)
+
+
+class SyncBatchNorm(_BatchNormNd, nn.SyncBatchNorm):
+    """``nn.SyncBatchNorm`` keeping its normalized input compressed where it computes a plain
+    batch norm: without an initialized process group (one process). With one, torch's own
+    forward runs (its checks, its fall-back for a world of one, and the synchronized
+    statistics across processes, whose input is kept uncompressed)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            return nn.SyncBatchNorm.forward(self, x)
+        self._check_non_zero_input_channels(x)
+        return _BatchNormNd.forward(self, x)
+
+
+class _InstanceNormNd(MesaModule):
+    """``nn.InstanceNorm1d/2d/3d`` keeping its normalized input compressed when it normalizes
+    with the input's statistics (training mode, or no running statistics tracked);
+    ``nn.InstanceNorm``'s own forward (checks, unbatched input) calls this
+    ``_apply_instance_norm``."""
+
+    mesa_kind = "batchnorm"
+
+    def _apply_instance_norm(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._mesa_active(x, self.weight, self.bias):
+            return super()._apply_instance_norm(x)
+        momentum = self.momentum if self.momentum is not None else 0.0
+        return instance_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                             momentum, self.eps, self.mesa_spec)  # fmt: skip
+
+
+class InstanceNorm1d(_InstanceNormNd, nn.InstanceNorm1d):
+    """``nn.InstanceNorm1d`` keeping its normalized input compressed."""
+
+
+class InstanceNorm2d(_InstanceNormNd, nn.InstanceNorm2d):
+    """``nn.InstanceNorm2d`` keeping its normalized input compressed."""
+
+
+class InstanceNorm3d(_InstanceNormNd, nn.InstanceNorm3d):
+    """``nn.InstanceNorm3d`` keeping its normalized input compressed."""
+
+
 class MaxPool2d(MesaModule, nn.MaxPool2d):
     """``nn.MaxPool2d`` keeping a byte per output (its window offset) instead of its input and
     int64 indices; with ``return_indices`` it runs plain."""
@@ -351,6 +438,30 @@ class MaxPool2d(MesaModule, nn.MaxPool2d):
                           self.ceil_mode)  # fmt: skip
 
 
+class AvgPool2d(MesaModule, nn.AvgPool2d):
+    """``nn.AvgPool2d`` keeping nothing for backward (torch keeps its input)."""
+
+    mesa_kind = "pool"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._mesa_active(x):
+            return super().forward(x)
+        return avg_pool2d(x, self.kernel_size, self.stride, self.padding, self.ceil_mode,
+                          self.count_include_pad, self.divisor_override)  # fmt: skip
+
+
+class AdaptiveAvgPool2d(MesaModule, nn.AdaptiveAvgPool2d):
+    """``nn.AdaptiveAvgPool2d`` keeping nothing for backward (torch keeps its input unless the
+    output is one value per channel)."""
+
+    mesa_kind = "pool"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._mesa_active(x):
+            return super().forward(x)
+        return adaptive_avg_pool2d(x, self.output_size)
+
+
 class ReLU(MesaModule, nn.ReLU):
     """``nn.ReLU`` (in place or not) keeping 1 bit per element instead of its output."""
 
@@ -360,6 +471,43 @@ class ReLU(MesaModule, nn.ReLU):
         if not self._mesa_active(x):
             return super().forward(x)
         return relu(x, self.inplace)
+
+
+class Hardtanh(MesaModule, nn.Hardtanh):
+    """``nn.Hardtanh`` and ``nn.ReLU6`` (in place or not) keeping 1 bit per element (whether
+    the input was strictly inside the range) instead of their input."""
+
+    mesa_kind = "relu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._mesa_active(x):
+            return super().forward(x)
+        op = ("hardtanh", self.min_val, self.max_val)
+        return relu(x, self.inplace, op, self.mesa_spec.exact)
+
+
+class Hardsigmoid(MesaModule, nn.Hardsigmoid):
+    """``nn.Hardsigmoid`` (MobileNetV3's squeeze-excitation gate), in place or not, keeping 1
+    bit per element (whether the input was inside (-3, 3)) instead of its input."""
+
+    mesa_kind = "activation"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._mesa_active(x):
+            return super().forward(x)
+        return relu(x, self.inplace, ("hardsigmoid",))
+
+
+class LeakyReLU(MesaModule, nn.LeakyReLU):
+    """``nn.LeakyReLU`` (in place or not) keeping 1 bit per element (the input's sign)
+    instead of its input."""
+
+    mesa_kind = "relu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._mesa_active(x):
+            return super().forward(x)
+        return relu(x, self.inplace, ("leaky", self.negative_slope))
 
 
 class GELU(MesaModule, nn.GELU):
@@ -474,6 +622,21 @@ class SiLU(Activation):
 
     def mesa_inplace_formula(self):
         return _silu_
+
+
+def _sigmoid_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # torch's backward reads the output; recomputed from the input, the same values
+    return torch.ops.aten.sigmoid_backward(grad, torch.sigmoid(x))
+
+
+class Sigmoid(Activation):
+    """``nn.Sigmoid``: int8 input; backward recomputes the output from it for torch's
+    ``sigmoid_backward``."""
+
+    mesa_kind = "activation"
+
+    def mesa_formula(self):
+        return torch.sigmoid, _sigmoid_grad
 
 
 class Dropout(MesaModule, nn.Dropout):

@@ -12,7 +12,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import assert_compiles_like_eager, assert_equal, kept_by_both, sqnr_db
+from conftest import (
+    assert_compiles_like_eager,
+    assert_equal,
+    kept_by_both,
+    saved_activation_bytes,
+    sqnr_db,
+)
 
 import mesa_lite
 
@@ -159,3 +165,87 @@ def test_channels_last_under_compile_matches_eager():
         grads.append(xi.grad)
     assert_equal(grads[1], grads[0])
     assert_equal(src.weight.grad, eager.weight.grad)
+
+
+INSTANCE = {
+    "2d": lambda: nn.InstanceNorm2d(6),
+    "2d-affine": lambda: nn.InstanceNorm2d(6, affine=True),
+    "2d-tracked": lambda: nn.InstanceNorm2d(6, affine=True, track_running_stats=True),
+    "1d-affine": lambda: nn.InstanceNorm1d(6, affine=True),
+    "3d": lambda: nn.InstanceNorm3d(6),
+}
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("exact", [True, False], ids=["debug_exact", "int8"])
+@pytest.mark.parametrize("name", sorted(INSTANCE))
+def test_instance_norm(name, exact, autocast):
+    """InstanceNorm (kind "batchnorm"), what at::instance_norm computes with the BatchNorm that
+    keeps its normalized input: output, running statistics and (debug_exact) gradients bit for
+    bit; compressed, the input gradient within the floor."""
+    torch.manual_seed(0)
+    plain = INSTANCE[name]()
+    if plain.affine:
+        with torch.no_grad():
+            plain.weight.uniform_(0.5, 1.5)
+            plain.bias.uniform_(-1, 1)
+    cfg = mesa_lite.Config(layers=CNN.layers, debug_exact=exact)
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), cfg)
+    assert type(wrapped).mesa_kind == "batchnorm"
+    spatial = {"1": (64,), "2": (16, 16), "3": (4, 8, 8)}[name[0]]
+    x0 = torch.randn(3, 6, *spatial, generator=torch.Generator().manual_seed(1))
+    results = []
+    for m in (plain, wrapped):
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            out = m(x * 1.0)
+        out.float().backward(torch.linspace(-1, 1, out.numel()).view(out.shape))
+        results.append((out, x.grad, [p.grad for p in m.parameters()]))
+    (out_p, gx_p, gp_p), (out_w, gx_w, gp_w) = results
+    assert_equal(out_w, out_p, "output")
+    for (n, a), b in zip(plain.named_buffers(), wrapped.buffers(), strict=True):
+        assert_equal(b, a, n)
+    if exact:
+        assert_equal(gx_w, gx_p, "input grad")
+        for a, b in zip(gp_p, gp_w, strict=True):
+            assert_equal(b, a, "parameter grad")
+    else:
+        assert sqnr_db(gx_p, gx_w) >= 30, sqnr_db(gx_p, gx_w)
+
+
+def test_instance_norm_unbatched_and_eval():
+    plain = nn.InstanceNorm2d(4, affine=True)
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), mesa_lite.Config(layers=CNN.layers,
+                                                                     debug_exact=True))  # fmt: skip
+    x = torch.randn(4, 5, 5, generator=torch.Generator().manual_seed(2))  # no batch dim
+    assert_equal(wrapped(x), plain(x), "unbatched")
+    wrapped.eval()
+    plain.eval()
+    assert_equal(wrapped(x), plain(x), "eval")
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["debug_exact", "int8"])
+def test_sync_batch_norm_in_one_process(exact):
+    """Without a process group nn.SyncBatchNorm computes a plain batch norm: the wrapped one
+    keeps its normalized input compressed there (same output, running statistics, and in
+    debug_exact gradients, as torch's)."""
+    plain = nn.SyncBatchNorm(6)
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), mesa_lite.Config(layers=CNN.layers,
+                                                                     debug_exact=exact))  # fmt: skip
+    assert isinstance(wrapped, nn.SyncBatchNorm) and type(wrapped).mesa_kind == "batchnorm"
+    x0 = torch.randn(4, 6, 8, 8, generator=torch.Generator().manual_seed(0))
+    results = []
+    for m in (plain, wrapped):
+        x = x0.clone().requires_grad_()
+        kept, out = saved_activation_bytes(lambda m=m, x=x: m(x * 1.0), list(m.parameters()))
+        out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape))
+        results.append((out, x.grad, kept))
+    (out_p, gx_p, kept_p), (out_w, gx_w, kept_w) = results
+    assert_equal(out_w, out_p, "output")
+    for (n, a), b in zip(plain.named_buffers(), wrapped.buffers(), strict=True):
+        assert_equal(b, a, n)
+    if exact:
+        assert_equal(gx_w, gx_p, "input grad")
+    else:
+        assert sqnr_db(gx_p, gx_w) >= 35
+        assert kept_w <= 0.35 * kept_p, (kept_w, kept_p)

@@ -231,3 +231,65 @@ def test_lazy_modules_are_skipped_until_initialized(caplog):
     m(torch.randn(2, 4, 5, 5, requires_grad=True)).sum().backward()
     mesa_lite.wrap(m, CONV)
     assert isinstance(m[0], mesa_lite.Conv2d) and isinstance(m[1], mesa_lite.Linear)
+
+
+TRANSPOSED = {
+    "t1d": (lambda: nn.ConvTranspose1d(4, 6, 4, stride=2), (2, 4, 9), None),
+    "t2d-output-padding": (
+        lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1),
+        (2, 4, 7, 7), None,
+    ),
+    "t2d-groups-dilation-output-size": (
+        lambda: nn.ConvTranspose2d(4, 8, 3, stride=2, padding=1, groups=2, dilation=2),
+        (2, 4, 7, 7), [16, 16],
+    ),
+    "t3d-nobias": (lambda: nn.ConvTranspose3d(2, 3, 2, stride=2, bias=False), (1, 2, 3, 4, 4),
+                   None),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("exact", [True, False], ids=["debug_exact", "int8"])
+@pytest.mark.parametrize("name", sorted(TRANSPOSED))
+def test_conv_transpose(name, exact, layout):
+    """ConvTranspose1d/2d/3d (kind "conv"): int8 input kept; output and input gradient bit for
+    bit (the weight is kept exactly), weight gradients bit for bit in debug_exact and at 38+
+    dB compressed (measured 39.6-59.0), under bf16 autocast, with output_size too."""
+    make, shape, output_size = TRANSPOSED[name]
+    if layout == "channels_last" and len(shape) != 4:
+        pytest.skip("channels-last is 4-D")
+    torch.manual_seed(0)
+    plain = make()
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), EXACT if exact else CONV)
+    assert type(wrapped).mesa_kind == "conv"
+    x0 = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    if layout == "channels_last":
+        x0 = x0.to(memory_format=torch.channels_last)
+        plain, wrapped = (m.to(memory_format=torch.channels_last) for m in (plain, wrapped))
+    results = []
+    for m in (plain, wrapped):
+        x = x0.clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16):
+            out = m(x * 1.0, output_size) if output_size else m(x * 1.0)
+        out.float().backward(torch.linspace(-1, 1, out.numel()).view(out.shape))
+        results.append((out, x.grad, [p.grad for p in m.parameters()]))
+    (out_p, gx_p, gp_p), (out_w, gx_w, gp_w) = results
+    assert_equal(out_w, out_p, "output")
+    assert out_w.stride() == out_p.stride()
+    assert_equal(gx_w, gx_p, "input grad")
+    for a, b in zip(gp_p, gp_w, strict=True):
+        if exact:
+            assert_equal(b, a, "parameter grad")
+        else:
+            assert sqnr_db(a, b) >= 38, sqnr_db(a, b)
+
+
+def test_conv_transpose_unbatched_runs_plain_and_kept_bytes():
+    plain = nn.ConvTranspose2d(4, 6, 3, stride=2)
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), CONV)
+    x = torch.randn(4, 5, 5, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    assert_equal(wrapped(x), plain(x), "unbatched")
+    xb = torch.randn(8, 4, 16, 16, generator=torch.Generator().manual_seed(3))
+    kept_p, kept_w, out_p, out_w = kept_by_both(plain, wrapped, xb.requires_grad_())
+    assert_equal(out_w, out_p, "output")
+    assert kept_w <= 0.3 * kept_p, (kept_w, kept_p)  # int8 codes and scales against fp32

@@ -10,7 +10,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import assert_compiles_like_eager, assert_equal, kept_by_both
+from conftest import (
+    assert_compiles_like_eager,
+    assert_equal,
+    kept_by_both,
+    saved_activation_bytes,
+)
 
 import mesa_lite
 
@@ -85,3 +90,51 @@ def test_compiles_into_one_graph():
     x = torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(0))
     model(x)
     assert_compiles_like_eager(mesa_lite.wrap(model, CNN), x, lambda out: out.square().sum())
+
+
+AVG = {
+    "avg2": lambda: nn.AvgPool2d(2),
+    "avg3-ceil-nopad-count": lambda: nn.AvgPool2d(
+        3, 2, 1, ceil_mode=True, count_include_pad=False
+    ),  # fmt: skip
+    "avg-divisor": lambda: nn.AvgPool2d((2, 3), divisor_override=5),
+    "adaptive3": lambda: nn.AdaptiveAvgPool2d(3),
+    "adaptive5x7": lambda: nn.AdaptiveAvgPool2d((5, 7)),
+    "adaptive1": lambda: nn.AdaptiveAvgPool2d(1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("name", sorted(AVG))
+def test_average_pooling_keeps_nothing(name, layout, dtype):
+    """AvgPool2d and AdaptiveAvgPool2d (kind "pool"): torch keeps their input for backward
+    (except adaptive pooling to one value, a mean); wrapped, nothing, with output and
+    gradient bit for bit torch's (its backward ops read only the input's shape)."""
+    plain = AVG[name]()
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), mesa_lite.Config(layers={"pool"}))
+    assert type(wrapped).mesa_kind == "pool"
+    x0 = torch.randn(2, 4, 11, 13, generator=torch.Generator().manual_seed(0)).to(dtype)
+    if layout == "channels_last":
+        x0 = x0.to(memory_format=torch.channels_last)
+    results = []
+    for m in (plain, wrapped):
+        x = x0.clone().requires_grad_()
+        kept, out = saved_activation_bytes(lambda m=m, x=x: m(x * 1.0))
+        out.backward(torch.linspace(-1, 1, out.numel()).view(out.shape).to(dtype))
+        results.append((out, x.grad, kept))
+    (out_p, gx_p, kept_p), (out_w, gx_w, kept_w) = results
+    assert_equal(out_w, out_p, "output")
+    assert_equal(gx_w, gx_p, "input grad")
+    assert gx_w.stride() == gx_p.stride()
+    assert kept_w == 0
+    assert kept_p == (0 if name == "adaptive1" else x0.numel() * x0.element_size())
+
+
+def test_average_pooling_compiles_like_eager():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AvgPool2d(2), nn.Conv2d(4, 4, 1),
+                        nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(16, 2))  # fmt: skip
+    wrapped = mesa_lite.wrap(net, mesa_lite.Config(layers=mesa_lite.DEFAULT_LAYERS | {"pool"}))
+    x = torch.randn(2, 3, 12, 12, generator=torch.Generator().manual_seed(1))
+    assert_compiles_like_eager(wrapped, x, lambda o: o.square().mean(), 60.0)

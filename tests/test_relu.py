@@ -132,3 +132,79 @@ def test_channels_last_gradient_keeps_the_layout():
         assert g.is_contiguous(memory_format=torch.channels_last)
     for a, b in zip(*grads, strict=True):
         assert_equal(b, a)
+
+
+FAMILY = {
+    "ReLU6": lambda inplace: nn.ReLU6(inplace=inplace),
+    "Hardtanh": lambda inplace: nn.Hardtanh(-0.5, 0.75, inplace=inplace),
+    "LeakyReLU": lambda inplace: nn.LeakyReLU(0.1, inplace=inplace),
+    "LeakyReLU-negative": lambda inplace: nn.LeakyReLU(-0.3, inplace=False),
+    "Hardsigmoid": lambda inplace: nn.Hardsigmoid(inplace=inplace),
+}
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["int8", "debug_exact"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("name", sorted(FAMILY))
+def test_relu_family_bit_for_bit(name, inplace, dtype, layout, exact):
+    """ReLU6, Hardtanh and LeakyReLU keep 1 bit; outputs and input gradients are torch's bit
+    for bit, with infinities, zeros, the range's ends and non-finite gradients; with NaN too,
+    except compressed Hardtanh in channels-last (torch's CPU kernel treats a NaN by its
+    position in its loops, which the gradient's layout changes; see ops/relu.py)."""
+    cfg = mesa_lite.Config(layers=CNN.layers | {"activation"}, debug_exact=exact)
+    nan = exact or name not in ("Hardtanh", "ReLU6") or layout == "contiguous"
+    results = []
+    for wrap in (False, True):
+        act = FAMILY[name](inplace)
+        if wrap:
+            act = mesa_lite.wrap(act, cfg)
+            assert type(act).mesa_kind == ("activation" if name == "Hardsigmoid" else "relu")
+        x0 = _input() * 4
+        x0.view(-1)[5:11] = torch.tensor([0.75, 6.0, -0.5, 0.7, 3.0, -3.0])
+        if not nan:
+            x0 = torch.nan_to_num(x0, nan=1.0)
+        if layout == "channels_last":
+            x0 = x0.to(memory_format=torch.channels_last)
+        x = x0.to(dtype).requires_grad_()
+        out = act(x * 1.0)
+        g = torch.linspace(-2, 2, out.numel()).view(out.shape).to(dtype)
+        g.view(-1)[9] = float("inf")
+        out.backward(g)
+        results.append((out.detach().clone(), x.grad))
+    (out_p, gx_p), (out_w, gx_w) = results
+    assert_equal(out_w, out_p, "output")
+    assert_equal(gx_w, gx_p, "input grad")
+    assert gx_w.stride() == gx_p.stride()
+
+
+@pytest.mark.parametrize("name", ["ReLU6", "LeakyReLU"])
+def test_relu_family_keeps_a_bit(name):
+    plain = nn.Sequential(nn.Linear(16, 64), FAMILY[name](False), nn.Linear(64, 8))
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), mesa_lite.Config(layers={"relu"}))
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
+    params = [*plain.parameters(), *wrapped.parameters()]
+    kept_p, _ = saved_activation_bytes(lambda: plain[1](plain[0](x)), params)
+    kept_w, _ = saved_activation_bytes(lambda: wrapped[1](wrapped[0](x)), params)
+    # both keep the first Linear's fp32 input (2,048 bytes, that layer is not wrapped); for
+    # the activation plain keeps its fp32 input (8,192), the wrapped one 1 bit per element
+    assert (kept_p, kept_w) == (2048 + 8192, 2048 + 8192 // 32)
+
+
+def test_inplace_negative_slope_leaky_relu_raises_as_torch():
+    act = mesa_lite.wrap(nn.LeakyReLU(-0.2, inplace=True), CNN)
+    x = torch.randn(4, 4, requires_grad=True)
+    out = act(x * 1.0)
+    with pytest.raises(RuntimeError, match="negative slope"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["int8", "debug_exact"])
+def test_relu_family_compiles_like_eager(exact):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU6(inplace=True), nn.Conv2d(6, 6, 1),
+                        nn.LeakyReLU(0.1, inplace=True), nn.Conv2d(6, 2, 1))  # fmt: skip
+    wrapped = mesa_lite.wrap(net, mesa_lite.Config(layers=CNN.layers, debug_exact=exact))
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    assert_compiles_like_eager(wrapped, x, lambda o: o.square().mean(), 60.0 if exact else 30.0)

@@ -139,3 +139,29 @@ def test_inplace_silu_on_a_leaf_raises_as_torch():
 def test_compiles_like_eager():
     wrapped = mesa_lite.wrap(_block(SES["SqueezeExcite"]()), CNN)
     assert_compiles_like_eager(wrapped, _x(), lambda out: out.square().mean())
+
+
+def test_inplace_silu_debug_exact_compiles_like_eager():
+    """Under compile the in-place SiLU runs out of place and is copied back: kept exactly, the
+    kept input must be a copy, or backward would read the SiLU's output (found by review)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(4, 4, 1), nn.SiLU(inplace=True), nn.Conv2d(4, 2, 1)).train()
+    wrapped = mesa_lite.wrap(copy.deepcopy(net), EXACT)
+    assert_compiles_like_eager(wrapped, _x((2, 4, 5, 5)), lambda o: o.square().sum(), 60.0)
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+def test_inplace_silu_debug_exact_under_non_reentrant_checkpoint(inplace):
+    """torch.utils.checkpoint (non-reentrant) around Linear -> SiLU -> Linear: bit for bit in
+    debug_exact (the in-place SiLU's exact copy must not be offered to the next layer, which
+    would find it in the recompute but not in the forward)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 12), nn.SiLU(inplace=inplace), nn.Linear(12, 3))
+    wrapped = mesa_lite.wrap(copy.deepcopy(net), EXACT)
+    x = _x((4, 6))
+    for m in (net, wrapped):
+        checkpoint(m, x, use_reentrant=False).square().sum().backward()
+    for (name, p), q in zip(net.named_parameters(), wrapped.parameters(), strict=True):
+        assert_equal(q.grad, p.grad, name)

@@ -196,8 +196,8 @@ def test_no_supported_layers_warns_and_returns_unchanged():
     assert out is net and not any(isinstance(m, MesaModule) for m in net.modules())
     message = str(caught[0].message)
     assert "linear, gelu, softmax, layernorm" in message and "supported_layers()" in message
-    assert "opt-in: batchnorm, conv, pool, relu, se;" in message
-    assert "\n" not in message and len(message) < 250, message
+    assert "opt-in: activation, batchnorm, conv, groupnorm, pool, relu, se;" in message
+    assert "\n" not in message and len(message) < 300, message
     listed = mesa_lite.supported_layers()
     assert len(listed) == len(set(listed))
     assert {"torch.nn.GELU", "torch.nn.LayerNorm", "torch.nn.Linear", "torch.nn.Softmax"} <= set(

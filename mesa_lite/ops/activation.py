@@ -75,24 +75,31 @@ class ActivationFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, fn, grad_fn, spec: QuantSpec, inplace_fn=None, shared=None):
         state = autocast_state(x.device)
+        out_shared = True
         if inplace_fn is None:
             out = fn(x)
             p = keep(x, spec, max_steps=quant.MAX_RECIPE_STEPS - 1)
         else:
             # in place (``nn.SiLU(inplace=True)``, as timm's EfficientNets build it): the input
             # is kept before the op overwrites it; kept exactly, a copy of it
-            if spec.exact or not quant.compressible(x):
+            exact = spec.exact or not quant.compressible(x)
+            if exact:
                 p = quant.quantize(x.clone(), spec)
             else:
                 p = keep(x, spec, max_steps=quant.MAX_RECIPE_STEPS - 1)
             out = inplace_fn(x)
             ctx.mark_dirty(x)
+            if exact:
+                # no registered codes: the registry holds exact ones weakly, and a copy that
+                # only this ctx holds can die (non-reentrant checkpoint) while a recompute
+                # would find it alive; the next op keeps the output itself
+                out_shared = False
         quant.save(ctx, p)
         grad_fn = backward_for(grad_fn, spec)
         step = (
             ("gelu", x.dtype, grad_fn) if isinstance(grad_fn, str) else ("act", x.dtype, fn, state)
         )
-        if out.shape == x.shape:
+        if out.shape == x.shape and out_shared:
             if shared is None:
                 quant.share(out, p.derived(step, out.dtype))
             else:  # registered by the caller: apply bumps a dirty output's version on return
@@ -146,8 +153,9 @@ def activation(x: torch.Tensor, fn, spec: QuantSpec, grad_fn=None, name: str = "
         return fn(x) if inplace_fn is None else inplace_fn(x)
     if inplace_fn is not None and torch.compiler.is_compiling():
         # Dynamo breaks the graph at a Function that marks its input dirty; the compiler
-        # makes the copy in place again
-        return x.copy_(ActivationFn.apply(x, fn, grad_fn, spec))
+        # makes the copy in place again (kept exactly, the input is a copy: copy_ overwrites x)
+        src = x.clone() if spec.exact or not quant.compressible(x) else x
+        return x.copy_(ActivationFn.apply(src, fn, grad_fn, spec))
     if inplace_fn is None:
         return ActivationFn.apply(x, fn, grad_fn, spec)
     shared: list = []

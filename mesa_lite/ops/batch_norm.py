@@ -29,6 +29,7 @@ from mesa_lite.ops.common import (
 register_probe(
     "batch_norm", 1, lambda a: F.batch_norm(a, a.new_zeros(1).float(), a.new_ones(1).float())
 )
+register_probe("instance_norm", 1, lambda a: F.instance_norm(a.expand(1, 1, 2)))
 
 
 def _stat_shape(shape) -> tuple[int, ...]:
@@ -143,3 +144,38 @@ def batch_norm(x, running_mean, running_var, weight, bias, momentum, eps, spec: 
     return BatchNormFn.apply(
         autocast_cast(x, dtype), weight, bias, running_mean, running_var, cfg, spec
     )
+
+
+def _repeat(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if t is None else t.repeat(n)
+
+
+def instance_norm(x, running_mean, running_var, weight, bias, momentum, eps, spec: QuantSpec):
+    """``F.instance_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)``
+    keeping the normalized input compressed: what ``at::instance_norm`` computes (the
+    per-channel parameters and statistics repeated per sample, the input viewed as one sample
+    of ``N * C`` channels, ``batch_norm``, the running statistics averaged back over the
+    samples), with the BatchNorm that keeps its normalized input."""
+    if plain_under_functorch("InstanceNorm") or x.numel() == 0:
+        return F.instance_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
+    F._verify_spatial_size(x.size())  # F.instance_norm's own check
+    dtype = autocast_dtype("instance_norm", x.device)
+    if dtype is not None:  # autocast casts at instance_norm; the ops inside see no autocast
+        x, weight, bias = (autocast_cast(t, dtype) for t in (x, weight, bias))
+        with torch.autocast(x.device.type, enabled=False):
+            return instance_norm(x, running_mean, running_var, weight, bias, momentum, eps, spec)
+    n, c = x.shape[0], x.shape[1]
+    # at::instance_norm repeats the running statistics in the input's dtype (bf16 statistics
+    # for a bf16 input with fp32 buffers) and averages them back in it
+    rm, rv = (None if t is None else t.repeat(n).to(x.dtype) for t in (running_mean, running_var))
+    shape = (1, n * c, *x.shape[2:])
+    out = batch_norm(
+        x.contiguous().view(shape), rm, rv, _repeat(weight, n), _repeat(bias, n), momentum, eps,
+        spec,
+    )  # fmt: skip
+    with torch.no_grad():
+        if running_mean is not None:
+            running_mean.copy_(rm.view(n, c).mean(0, False))
+        if running_var is not None:
+            running_var.copy_(rv.view(n, c).mean(0, False))
+    return out.view(x.shape)

@@ -29,27 +29,31 @@ from mesa_lite.ops.common import (
 )
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
-for _nd, _fn in _CONV.items():
-    register_probe(
-        f"conv{_nd}d",
-        2,
-        lambda a, b, fn=_fn, nd=_nd: fn(a.view((1,) * (nd + 2)), b.view((1,) * (nd + 2))),
-    )
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+for _nd in (1, 2, 3):
+    for _name, _fn in ((f"conv{_nd}d", _CONV[_nd]), (f"conv_transpose{_nd}d", _CONV_T[_nd])):
+        register_probe(
+            _name,
+            2,
+            lambda a, b, fn=_fn, nd=_nd: fn(a.view((1,) * (nd + 2)), b.view((1,) * (nd + 2))),
+        )
 
 
 class ConvFn(torch.autograd.Function):
-    """``F.convNd`` keeping the compressed input. ``cfg``: ``(nd, stride, padding, dilation,
-    groups, dtype)``, ``padding`` as ints, ``dtype`` autocast's cast target for the weight and
-    bias (None: no cast). The input is kept only when the weight needs grad, the weight only
-    when the input does."""
+    """``F.convNd`` (or ``F.conv_transposeNd``) keeping the compressed input. ``cfg``: ``(nd,
+    stride, padding, dilation, groups, dtype, output_padding)``, ``padding`` as ints, ``dtype``
+    autocast's cast target for the weight and bias (None: no cast), ``output_padding`` None
+    for a convolution, a transposed convolution's otherwise. The input is kept only when the
+    weight needs grad, the weight only when the input does."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, cfg, spec: QuantSpec, shares=(None,)):
-        nd, stride, padding, dilation, groups, dtype = cfg
-        out = _CONV[nd](
-            x, autocast_cast(weight, dtype), autocast_cast(bias, dtype), stride, padding,
-            dilation, groups,
-        )  # fmt: skip
+        nd, stride, padding, dilation, groups, dtype, output_padding = cfg
+        w, b = autocast_cast(weight, dtype), autocast_cast(bias, dtype)
+        if output_padding is None:
+            out = _CONV[nd](x, w, b, stride, padding, dilation, groups)
+        else:
+            out = _CONV_T[nd](x, w, b, stride, padding, output_padding, groups, dilation)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         px = None
         ctx.perm = None
@@ -70,7 +74,7 @@ class ConvFn(torch.autograd.Function):
     @first_order_only
     def backward(ctx, grad):
         px, weight = quant.load(ctx)
-        nd, stride, padding, dilation, groups, dtype = ctx.cfg
+        nd, stride, padding, dilation, groups, dtype, output_padding = ctx.cfg
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x_shape, x_stride, x_dtype = ctx.x_meta
         w_shape, w_stride, w_dtype = ctx.w_meta
@@ -86,8 +90,9 @@ class ConvFn(torch.autograd.Function):
             w = grad.new_empty_strided(w_shape, w_stride, dtype=dtype or w_dtype)
         bias_sizes = None if ctx.b_meta is None else [ctx.b_meta[0]]
         gx, gw, gb = torch.ops.aten.convolution_backward(
-            grad, x, w, bias_sizes, list(stride), list(padding), list(dilation), False,
-            [0] * nd, groups, [need_x, need_w, bool(need_b and ctx.b_meta is not None)],
+            grad, x, w, bias_sizes, list(stride), list(padding), list(dilation),
+            output_padding is not None, list(output_padding or (0,) * nd), groups,
+            [need_x, need_w, bool(need_b and ctx.b_meta is not None)],
         )  # fmt: skip
         gw = None if gw is None else cast(gw, w_dtype)
         gb = None if gb is None else cast(gb, ctx.b_meta[1])
@@ -106,12 +111,18 @@ def same_padding(kernel_size, dilation) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def conv(x, weight, bias, nd: int, stride, padding, dilation, groups: int, spec: QuantSpec):
-    """``F.conv{nd}d(x, weight, bias, stride, padding, dilation, groups)`` (int padding),
-    keeping the input compressed for the weight's gradient."""
-    fn = _CONV[nd]
+def conv(x, weight, bias, nd: int, stride, padding, dilation, groups: int, spec: QuantSpec,
+         output_padding=None):  # fmt: skip
+    """``F.conv{nd}d(x, weight, bias, stride, padding, dilation, groups)`` (int padding), or
+    with ``output_padding`` ``F.conv_transpose{nd}d(x, weight, bias, stride, padding,
+    output_padding, groups, dilation)``, keeping the input compressed for the weight's
+    gradient."""
     if plain_under_functorch("Conv"):
-        return fn(x, weight, bias, stride, padding, dilation, groups)
-    dtype = autocast_dtype(f"conv{nd}d", x.device)
-    cfg = (nd, tuple(stride), tuple(padding), tuple(dilation), groups, dtype)
+        if output_padding is None:
+            return _CONV[nd](x, weight, bias, stride, padding, dilation, groups)
+        return _CONV_T[nd](x, weight, bias, stride, padding, output_padding, groups, dilation)
+    op = f"conv{nd}d" if output_padding is None else f"conv_transpose{nd}d"
+    dtype = autocast_dtype(op, x.device)
+    output_padding = None if output_padding is None else tuple(output_padding)
+    cfg = (nd, tuple(stride), tuple(padding), tuple(dilation), groups, dtype, output_padding)
     return ConvFn.apply(autocast_cast(x, dtype), weight, bias, cfg, spec, (x,))
