@@ -1,0 +1,267 @@
+"""The memory-budget planner's core (``mesa_lite.planner``): the choice against brute force on
+injected measurements (deterministic), the prediction never above the budget, clear errors
+naming the terms, the Config round trip through JSON, and the predicted bytes against the
+saved-tensor count of a real model wrapped with the plan."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+
+import pytest
+import torch
+from conftest import saved_activation_bytes
+
+import mesa_lite
+from mesa_lite.planner import (
+    POLICIES,
+    Measurements,
+    PlanError,
+    PolicyCost,
+    choose,
+    smallest_peak,
+    to_config,
+)
+
+MIB = 2**20
+# per block (the same for each): kept MiB, seconds, transient MiB, shaped as DeiT-S measured
+COST = {
+    "plain": PolicyCost(300 * MIB, 0.0020),
+    "int8": PolicyCost(110 * MIB, 0.0030),
+    "int4": PolicyCost(60 * MIB, 0.0036),
+    "ckpt8": PolicyCost(25 * MIB, 0.0041, transient=110 * MIB),
+    "ckpt4": PolicyCost(13 * MIB, 0.0045, transient=110 * MIB),
+}
+
+
+def _measurements(n=5, jitter=True):
+    costs = {}
+    for p, c in COST.items():
+        # blocks that differ a little, so that the order of the choice matters
+        costs[p] = tuple(
+            PolicyCost(
+                c.kept + (i * 3 * MIB if jitter else 0), c.seconds * (1 + 0.01 * i), c.transient
+            )  # fmt: skip
+            for i in range(n)
+        )
+    return Measurements(blocks=tuple(f"blocks.{i}" for i in range(n)), costs=costs,
+                        static=500 * MIB, outside=40 * MIB, temporaries=80 * MIB,
+                        other_seconds=0.005)  # fmt: skip
+
+
+def _brute_force(m: Measurements, budget: int):
+    """The fastest feasible choice by enumeration (one checkpoint width per plan)."""
+    best = None
+    fixed = m.static + m.outside + m.temporaries
+    for choice in itertools.product(POLICIES, repeat=len(m.blocks)):
+        if {"ckpt8", "ckpt4"} <= set(choice):
+            continue
+        cs = [m.costs[p][i] for i, p in enumerate(choice)]
+        peak = fixed + sum(c.kept for c in cs) + max(c.transient for c in cs)
+        if peak > budget:
+            continue
+        t = sum(c.seconds for c in cs)
+        if best is None or t < best[0] - 1e-12:
+            best = (t, choice, peak)
+    return best
+
+
+@pytest.mark.parametrize("budget_mib", [2300, 1700, 1300, 1000, 900, 850])
+def test_choice_is_the_fastest_that_fits(budget_mib):
+    m = _measurements()
+    budget = budget_mib * MIB
+    plan = choose(m, budget)
+    assert plan.peak <= budget
+    # the choice counts memory in units of budget / 4096 and rounds each block up: it is no
+    # faster than the exact optimum at the budget, and no slower than the exact optimum at
+    # the budget less one unit per block
+    unit = -(-budget // 4096)
+    lo, hi = _brute_force(m, budget), _brute_force(m, budget - len(m.blocks) * unit)
+    t = plan.seconds - m.other_seconds
+    assert lo[0] - 1e-12 <= t <= hi[0] + 1e-12, (plan.policies, lo, hi)
+    cs = [m.costs[p][i] for i, p in enumerate(plan.policies)]
+    assert plan.terms["kept"] == sum(c.kept for c in cs)
+    assert plan.peak == sum(plan.terms.values())
+    assert plan.seconds == pytest.approx(m.other_seconds + sum(c.seconds for c in cs))
+
+
+def test_tighter_budgets_cost_time_and_the_loosest_is_plain():
+    m = _measurements()
+    times = [choose(m, b * MIB).seconds for b in (2300, 1500, 1100, 900, 850)]
+    assert times == sorted(times)
+    assert choose(m, 2300 * MIB).policies == ("plain",) * 5
+
+
+def test_budget_below_static_memory_names_the_terms():
+    m = _measurements()
+    with pytest.raises(PlanError, match=r"parameters, gradients and optimizer state 0\.49"):
+        choose(m, 600 * MIB)
+
+
+def test_budget_below_every_choice_says_so():
+    m = _measurements()
+    floor = smallest_peak(m)
+    assert floor == _brute_force_floor(m)
+    with pytest.raises(PlanError, match=f"smallest predicted peak is {floor / 2**30:.2f} GiB"):
+        choose(m, floor - 1)
+    # a few units above the floor (each block's bytes are rounded up to units of the budget
+    # / 4096) the leanest choice fits
+    budget = floor + len(m.blocks) * (-(-floor // 4096) + 1)
+    assert floor <= choose(m, budget).peak <= budget
+
+
+def _brute_force_floor(m: Measurements) -> int:
+    fixed = m.static + m.outside + m.temporaries
+    return min(
+        fixed
+        + sum(m.costs[p][i].kept for i, p in enumerate(ch))
+        + max(m.costs[p][i].transient for i, p in enumerate(ch))
+        for ch in itertools.product(POLICIES, repeat=len(m.blocks))
+    )
+
+
+def test_bad_measurements_are_refused():
+    with pytest.raises(ValueError, match="unknown policies"):
+        Measurements(blocks=("b",), costs={"int3": (COST["int8"],)}, static=0)
+    with pytest.raises(ValueError, match="1 entries for 2 blocks"):
+        Measurements(blocks=("a", "b"), costs={"int8": (COST["int8"],)}, static=0)
+    with pytest.raises(ValueError, match="non-negative"):
+        PolicyCost(-1, 0.1)
+    with pytest.raises(ValueError, match="one width"):
+        to_config(["a", "b"], ["ckpt8", "ckpt4"])
+
+
+def test_config_round_trip_through_json():
+    m = _measurements()
+    plan = choose(m, 1000 * MIB, mesa_lite.Config(group_size=64))
+    assert {"plain", "int4"} & set(plan.policies) or "ckpt8" in plan.policies
+    kwargs = json.loads(json.dumps(plan.config_kwargs()))
+    again = mesa_lite.Config(**kwargs)
+    assert again == plan.config
+    assert again.group_size == 64
+    assert "plan: peak" in str(plan) and "blocks:" in str(plan)
+
+
+def _kept(model, x) -> int:
+    params = list(model.parameters())
+    kept, out = saved_activation_bytes(lambda: model(x), params)
+    del out
+    return kept
+
+
+def test_predicted_bytes_match_the_saved_tensors_of_the_wrapped_model():
+    """On a 4-block timm ViT (fp32, CPU): each policy's bytes per block are measured with the
+    policy on every block; the plan for a budget between all-int8 and all-int4 mixes policies;
+    wrapped with the plan's Config, the model keeps what the plan predicts, within 2%."""
+    torch.manual_seed(0)
+    import timm
+
+    base = timm.models.vision_transformer.VisionTransformer(
+        img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=2, num_classes=5
+    ).train()
+    blocks = tuple(f"blocks.{i}" for i in range(4))
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    total = {}
+    for p in ("plain", "int8", "int4"):
+        total[p] = _kept(mesa_lite.wrap(copy.deepcopy(base), to_config(blocks, [p] * 4)), x)
+    # outside the blocks the model keeps the same under every policy: plain's patch embedding
+    # and head (wrapped, the Linear head and last norm keep int8: measured on their own)
+    plain_model = copy.deepcopy(base)
+    outside = _kept(plain_model, x) - _kept_blocks(plain_model, x)
+    per_block = {p: (total[p] - outside) / 4 for p in total}
+    assert per_block["plain"] > per_block["int8"] > per_block["int4"] > 0
+    costs = {p: tuple(PolicyCost(round(per_block[p]), 1.0 + {"plain": 0, "int8": 1, "int4": 2}[p])
+                      for _ in blocks) for p in per_block}  # fmt: skip
+    m = Measurements(blocks=blocks, costs=costs, static=0, outside=round(outside))
+    slack = (per_block["int8"] - per_block["int4"]) / 2  # room for rounding, not a third int8
+    budget = round(outside + 2 * per_block["int8"] + 2 * per_block["int4"] + slack)
+    plan = choose(m, budget)
+    assert sorted(plan.policies) == ["int4", "int4", "int8", "int8"], plan.policies
+    measured = _kept(mesa_lite.wrap(copy.deepcopy(base), plan.config), x)
+    assert measured == pytest.approx(plan.peak, rel=0.02), (measured, plan.peak)
+
+
+def _kept_blocks(model, x) -> int:
+    """Bytes kept by the blocks alone (their forward under the saved-tensor count)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t.detach()
+
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    hooks = []
+    for b in model.blocks:
+        ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        hooks.append(b.register_forward_pre_hook(lambda *a, c=ctx: c.__enter__()))
+        hooks.append(b.register_forward_hook(lambda *a, c=ctx: c.__exit__(None, None, None)))
+    out = model(x)
+    for h in hooks:
+        h.remove()
+    del out
+    return sum(v for k, v in seen.items() if k not in skip)
+
+
+def test_measure_then_choose_on_a_real_model():
+    """measure() on a 4-block timm ViT (CPU, fp32, AdamW): the policies keep what they should
+    relative to each other, the static term is parameters + gradients + AdamW's two moments
+    (and its step counters), and a plan chosen from the measurements keeps, wrapped, what it
+    predicts (outside the blocks included) within 2%."""
+    import timm
+
+    from mesa_lite.planner import measure
+
+    torch.manual_seed(0)
+    model = timm.models.vision_transformer.VisionTransformer(
+        img_size=32, patch_size=4, embed_dim=64, depth=4, num_heads=2, num_classes=5
+    ).train()
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+
+    def step_fn(m):
+        return m(x).square().mean()
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-3)
+
+    m = measure(model, step_fn, adamw, timed=1)
+    assert m.blocks == ("blocks.0", "blocks.1", "blocks.2", "blocks.3")
+    kept = {p: m.costs[p][0].kept for p in POLICIES}
+    assert kept["plain"] > kept["int8"] > kept["int4"] > 0
+    assert kept["int8"] > kept["ckpt8"] > kept["ckpt4"] > 0  # the input copy only
+    assert m.costs["ckpt8"][0].transient == kept["plain"]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    n_tensors = len(list(model.parameters()))
+    assert params * 4 <= m.static <= params * 4 + n_tensors * 8  # + AdamW's step counters
+    assert all(c.seconds > 0 for cs in m.costs.values() for c in cs)
+    budget = m.static + m.outside + 2 * kept["int8"] + 2 * kept["plain"] + kept["plain"] // 4
+    plan = choose(m, budget)
+    assert plan.peak <= budget and "plain" in plan.policies
+    wrapped = mesa_lite.wrap(copy.deepcopy(model), plan.config)
+    measured = _kept(wrapped, x)
+    assert measured == pytest.approx(plan.terms["outside"] + plan.terms["kept"], rel=0.02)
+
+
+def test_measure_finds_a_hugging_face_decoder_s_layers():
+    """A tiny Llama (transformers): its decoder layers are the blocks, the policies measure
+    and a plan wraps it with the same loss (forward outputs are torch's)."""
+    transformers = pytest.importorskip("transformers")
+    from mesa_lite.planner import measure
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=100, max_position_embeddings=64)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(0))
+
+    def step_fn(m):
+        return m(input_ids=ids, labels=ids).loss
+
+    m = measure(model, step_fn, policies=("plain", "int8", "ckpt8"), timed=1)
+    assert m.blocks == ("model.layers.0", "model.layers.1", "model.layers.2")
+    kept = {p: m.costs[p][0].kept for p in m.costs}
+    assert kept["plain"] > kept["int8"] > kept["ckpt8"] > 0
+    plan = choose(m, m.static + m.outside + m.temporaries + kept["plain"] + 2 * kept["int8"])
+    wrapped = mesa_lite.wrap(copy.deepcopy(model), plan.config)
+    assert torch.equal(step_fn(wrapped), step_fn(model))
