@@ -59,6 +59,7 @@ setup(
                 for name in (
                     "ablate",
                     "accuracy",
+                    "budget",
                     "compile_speed",
                     "coverage",
                     "deit_memory",

@@ -49,6 +49,7 @@ _WHERE = {
     "wrap": "mesa_lite.wrap",
     "wrapped_modules": "mesa_lite.wrap",
     "report": "",
+    "planner": "",
     "rounding_state": "mesa_lite.kernels.group_quant",
     "set_rounding_state": "mesa_lite.kernels.group_quant",
 }

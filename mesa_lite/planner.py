@@ -29,6 +29,7 @@ import dataclasses
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -68,6 +69,7 @@ class Measurements:
         outside: bytes the model keeps for backward outside its blocks.
         temporaries: the largest temporaries of a backward (bytes).
         other_seconds: the step time outside the blocks (optimizer, head, loss).
+        leaves: the blocks that are modules without children (see ``to_config``).
     """
 
     blocks: tuple[str, ...]
@@ -76,6 +78,7 @@ class Measurements:
     outside: int = 0
     temporaries: int = 0
     other_seconds: float = 0.0
+    leaves: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.blocks:
@@ -114,14 +117,21 @@ class Plan:
 
     def config_kwargs(self) -> dict:
         """``config`` as plain data (JSON-serializable) for ``Config(**kwargs)``: save it and
-        wrap with it next time without planning again."""
-        c = self.config
-        out: dict = {"bits": c.bits, "group_size": c.group_size, "layers": sorted(c.layers)}
-        if c.overrides:
-            out["overrides"] = {k: dict(v) for k, v in c.overrides.items()}
-        if c.checkpoint is not None:
-            out["checkpoint"] = list(c.checkpoint)
-            out["checkpoint_bits"] = c.checkpoint_bits
+        wrap with it next time without planning again. Every field that differs from
+        ``Config()``'s is there."""
+        default = Config()
+        out: dict = {}
+        for f in dataclasses.fields(Config):
+            value = getattr(self.config, f.name)
+            if value == getattr(default, f.name):
+                continue
+            if isinstance(value, frozenset):
+                value = sorted(value)
+            elif isinstance(value, Mapping):
+                value = {k: dict(v) for k, v in value.items()}
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
         return out
 
     def __str__(self) -> str:
@@ -201,29 +211,42 @@ def _solve(m: Measurements, budget: int, allowed: tuple[str, ...]):
     return best
 
 
-def to_config(blocks: Sequence[str], policies: Sequence[str], base: Config | None = None):
-    """The ``Config`` that applies ``policies`` (one per block) on top of ``base``: per-block
-    overrides for ``plain`` (``enabled`` False) and ``int4`` / ``int8`` (``bits``), and the
-    checkpointed blocks by name with their one width."""
+def to_config(
+    blocks: Sequence[str],
+    policies: Sequence[str],
+    base: Config | None = None,
+    leaves: Sequence[str] = (),
+):
+    """The ``Config`` that applies ``policies`` (one per block) on top of ``base``.
+
+    Each block gets an override for itself and, unless it is one of ``leaves`` (modules with
+    no children), for everything inside it (``"<name>.*"``): ``enabled`` False for ``plain``,
+    ``bits`` for ``int8`` and ``int4`` (merged into an override of ``base`` with the same
+    key). The checkpointed blocks are named in ``checkpoint``, at their one width, every one
+    of them (``checkpoint_every`` 1): the plan decides what is checkpointed, whatever ``base``
+    said.
+    """
     base = Config() if base is None else base
-    overrides = dict(base.overrides)
+    overrides = {k: dict(v) for k, v in base.overrides.items()}
+    leaf = set(leaves)
     ckpt, widths = [], set()
     for name, p in zip(blocks, policies, strict=True):
         if p not in POLICIES:
             raise ValueError(f"unknown policy {p!r}; known: {list(POLICIES)}")
         fields = {"plain": {"enabled": False}, "int4": {"bits": 4}, "int8": {"bits": 8}}.get(p)
-        if fields is not None and (p != "int8" or base.bits != 8):
-            overrides[name] = fields
-            overrides[f"{name}.*"] = fields
-        elif p.startswith("ckpt"):
+        if fields is None:
             ckpt.append(name)
             widths.add(int(p[4:]))
+            continue
+        for key in (name,) if name in leaf else (name, f"{name}.*"):
+            overrides[key] = {**overrides.get(key, {}), **fields}
     if len(widths) > 1:
         raise ValueError("one Config checkpoints at one width: ckpt8 and ckpt4 together")
     return dataclasses.replace(
         base,
         overrides=overrides,
-        checkpoint=tuple(ckpt) if ckpt else base.checkpoint,
+        checkpoint=tuple(ckpt) if ckpt else None,
+        checkpoint_every=1,
         checkpoint_bits=widths.pop() if widths else base.checkpoint_bits,
     )
 
@@ -235,13 +258,12 @@ def choose(m: Measurements, budget: int, base: Config | None = None) -> Plan:
         PlanError: when no choice fits; the message names the terms (static memory alone
             above the budget, or the smallest peak any choice reaches).
     """
-    gib = 2**30
     if budget < _fixed(m):
         raise PlanError(
-            f"budget {budget / gib:.2f} GiB is below the memory no activation policy changes: "
-            f"{_fixed(m) / gib:.2f} GiB (parameters, gradients and optimizer state "
-            f"{m.static / gib:.2f}, activations outside the blocks {m.outside / gib:.2f}, "
-            f"backward temporaries {m.temporaries / gib:.2f})"
+            f"budget {_size(budget)} is below the memory no activation policy changes: "
+            f"{_size(_fixed(m))} (parameters, gradients and optimizer state {_size(m.static)}, "
+            f"activations outside the blocks {_size(m.outside)}, backward temporaries "
+            f"{_size(m.temporaries)})"
         )
     policies = tuple(p for p in POLICIES if p in m.costs)
     candidates = []
@@ -251,11 +273,14 @@ def choose(m: Measurements, budget: int, base: Config | None = None) -> Plan:
         if found is not None:
             candidates.append(found)
     if not candidates:
+        floor = smallest_peak(m)
+        # the choice counts memory in units of budget / 4096, each block's bytes rounded up
+        need = floor + len(m.blocks) * math.ceil(budget / _UNITS)
         raise PlanError(
-            f"budget {budget / gib:.2f} GiB is below every choice of policies: the smallest "
-            f"predicted peak is {smallest_peak(m) / gib:.2f} GiB (fixed terms "
-            f"{_fixed(m) / gib:.2f} GiB, the rest the blocks' smallest kept bytes and the "
-            "recompute of a checkpointed block)"
+            f"budget {_size(budget)} is below every choice of policies: the smallest "
+            f"predicted peak is {_size(floor)} (fixed terms {_size(_fixed(m))}, the rest the "
+            "blocks' smallest kept bytes and the recompute of a checkpointed block); with "
+            f"memory counted in 1/{_UNITS} of the budget, plan for at least {_size(need)}"
         )
     seconds, choice, kept, transient = min(candidates, key=lambda c: c[0])
     terms = {"static": m.static, "outside": m.outside, "temporaries": m.temporaries,
@@ -266,7 +291,7 @@ def choose(m: Measurements, budget: int, base: Config | None = None) -> Plan:
         peak=sum(terms.values()),
         seconds=m.other_seconds + seconds,
         terms=terms,
-        config=to_config(m.blocks, choice, base),
+        config=to_config(m.blocks, choice, base, m.leaves),
     )
 
 
@@ -398,13 +423,28 @@ def measure(
         raise ValueError(f"measure: found no repeated blocks in {type(model).__name__}; "
                          "name them with blocks=[...]")  # fmt: skip
     policies = tuple(policies)
+    if not policies:
+        raise ValueError(f"measure: policies must name some of {list(POLICIES)}")
+    odd = [p for p in policies if p.endswith("4") and (base or Config()).group_size % 2]
+    if odd:
+        warnings.warn(
+            f"mesa_lite.planner.measure: {odd} skipped: 4-bit codes need an even group size, "
+            f"and the base Config's is {(base or Config()).group_size}",
+            stacklevel=2,
+        )
+        policies = tuple(p for p in policies if p not in odd)
     if any(p.startswith("ckpt") for p in policies) and "plain" not in policies:
         raise ValueError("measure: the checkpointing policies need 'plain' measured too")
+    modules = dict(model.named_modules())
+    missing = [n for n in blocks if n not in modules]
+    if missing:
+        raise ValueError(f"measure: blocks {missing} are not modules of the model")
+    leaves = tuple(n for n in blocks if not any(True for _ in modules[n].children()))
     device = next(model.parameters()).device
     kept, seconds, outs, statics, temps = {}, {}, [], [], []
     for p in policies:
-        m = copy.deepcopy(model)
-        wrap(m, to_config(blocks, [p] * len(blocks), base))
+        m = copy.deepcopy(model).train()  # a training step's costs, whatever mode it was in
+        wrap(m, to_config(blocks, [p] * len(blocks), base, leaves))
         opt = optimizer_fn(m.parameters()) if optimizer_fn is not None else None
         for _ in range(warmup):
             train_step(m, step_fn, opt)
@@ -423,4 +463,4 @@ def measure(
         for p in policies
     }
     return Measurements(blocks=blocks, costs=costs, static=max(statics), outside=max(outs),
-                        temporaries=max(temps), other_seconds=0.0)  # fmt: skip
+                        temporaries=max(temps), other_seconds=0.0, leaves=leaves)  # fmt: skip

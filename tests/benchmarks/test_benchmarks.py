@@ -278,3 +278,23 @@ def test_checkpoint_pareto_cpu_rows_and_chart(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert "| deit_tiny | ckpt int8 |" in md
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_budget_plans_and_measures_each_budget(tmp_path):
+    """benchmarks/budget.py on the CPU: plain, timm's checkpointing and one plan per budget,
+    each plan's measured bytes (kept + static) within 5% of its prediction less the
+    recompute term the CPU cannot see; a budget below the static memory is a row that says
+    so, not a failure."""
+    from benchmarks import budget
+
+    argv = ["--device", "cpu", "--models", "test_vit", "--img-size", "32",
+            "--batch-size", "2", "--dtype", "fp32", "--budgets", "1.0", "0.05", "--steps", "1",
+            "--warmup", "0", "--no-plot", "--out", str(tmp_path / "b")]  # fmt: skip
+    rows = {r["row"]: r for r in budget.run(argv)}
+    assert {"plain", "timm checkpointing", "plan 1", "plan 0.05"} <= set(rows)
+    plan = rows["plan 1"]
+    assert plan["budget_mib"] == pytest.approx(rows["plain"]["memory_mib"])
+    expected = plan["predicted_mib"] - plan["predicted_transient_mib"]
+    assert plan["memory_mib"] == pytest.approx(expected, rel=0.05), plan
+    assert "below the memory no activation policy changes" in rows["plan 0.05"]["error"]
+    assert "| plan 1 |" in (tmp_path / "b.md").read_text()
