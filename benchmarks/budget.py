@@ -6,10 +6,11 @@ For each model: plain AMP and timm's activation checkpointing (every block) are 
 fraction of the plain peak) ``planner.choose`` picks the per-block policies and the model is
 trained with the plan's Config, so each row has the predicted and the measured peak and step
 time. On a GPU the peak is ``torch.cuda.max_memory_allocated`` over measured steps (after
-warm-up); without one, the memory is the bytes kept for backward plus the static memory
-(parameters, gradients, AdamW state), the planner's own terms, labelled as such (a CPU row
-has no backward temporaries or recompute to measure: compare it with the prediction less its
-transient term).
+warm-up); without one, the memory is the bytes one training step's forward (its loss
+included) keeps for backward, counted as the planner counts them, plus the static memory
+(parameters, gradients, AdamW state), labelled as such (a CPU row has no backward
+temporaries or recompute to measure: compare it with the prediction less its transient
+term).
 
 Writes PREFIX.jsonl, PREFIX.md and PREFIX.png (memory on x, step time on y, per model) into
 a fresh runs/ folder unless --out names a prefix. Not yet in it: PyTorch's
@@ -87,9 +88,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _memory(row: dict, static_mib: float, gpu: bool) -> float:
-    """The row's memory in MiB: the GPU peak, or on the CPU kept for backward + static."""
-    return row["peak_mib"] if gpu else row["kept_for_backward_mib"] + static_mib
+def _memory(row: dict, static_mib: float, gpu: bool, model=None, step_fn=None, m=None) -> float:
+    """The row's memory in MiB: the GPU peak, or on the CPU the bytes one training step's
+    forward (loss included) keeps for backward, counted as ``planner.measure`` counts them,
+    plus the static memory."""
+    if gpu:
+        return row["peak_mib"]
+    per_block, outside, _, _ = planner._kept_by_block(
+        model, step_fn, None, m.blocks, torch.device("cpu")
+    )
+    return (sum(per_block.values()) + outside) / MIB + static_mib
 
 
 def run(argv=None) -> list[dict]:
@@ -119,12 +127,17 @@ def run(argv=None) -> list[dict]:
             warmup=args.warmup, timed=args.steps,
         )  # fmt: skip
         static_mib = m.static / MIB
+
+        def memory(row, mode, config=None, name=name, static_mib=static_mib, m=m, fn=step_fn):
+            model = None if gpu else make_model(name, "fused", mode, args.img_size, config=config)
+            return _memory(row, static_mib, gpu, model, fn, m)
+
         plain = row_of(name, "amp", args.dtype, "fused", x, y, args)
-        plain_mib = _memory(plain, static_mib, gpu)
+        plain_mib = memory(plain, "amp")
         rows.append({**base, "row": "plain", **plain, "memory_mib": plain_mib})
         ckpt = row_of(name, "ckpt", args.dtype, "fused", x, y, args)
         rows.append({**base, "row": "timm checkpointing", **ckpt,
-                     "memory_mib": _memory(ckpt, static_mib, gpu)})  # fmt: skip
+                     "memory_mib": memory(ckpt, "ckpt")})  # fmt: skip
         for fraction in args.budgets:
             budget = int(fraction * plain_mib * MIB)
             row = {**base, "row": f"plan {fraction:g}", "budget_mib": budget / MIB}
@@ -140,7 +153,7 @@ def run(argv=None) -> list[dict]:
             row["predicted_transient_mib"] = plan.terms["transient"] / MIB
             row["predicted_step_ms"] = plan.seconds * 1e3
             row.update(row_of(name, "mesa", args.dtype, "fused", x, y, args, config=plan.config))
-            row["memory_mib"] = _memory(row, static_mib, gpu)
+            row["memory_mib"] = memory(row, "mesa", plan.config)
             rows.append(row)
             say(f"{name} budget {fraction:g}: {row['policies']}, memory "
                 f"{row['memory_mib']:.0f} MiB (predicted {row['predicted_mib']:.0f}), step "

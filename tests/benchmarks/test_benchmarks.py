@@ -288,13 +288,15 @@ def test_budget_plans_and_measures_each_budget(tmp_path):
     from benchmarks import budget
 
     argv = ["--device", "cpu", "--models", "test_vit", "--img-size", "32",
-            "--batch-size", "2", "--dtype", "fp32", "--budgets", "1.0", "0.05", "--steps", "1",
+            "--batch-size", "2", "--dtype", "fp32", "--budgets", "1.2", "0.05", "--steps", "1",
             "--warmup", "0", "--no-plot", "--out", str(tmp_path / "b")]  # fmt: skip
     rows = {r["row"]: r for r in budget.run(argv)}
-    assert {"plain", "timm checkpointing", "plan 1", "plan 0.05"} <= set(rows)
-    plan = rows["plan 1"]
-    assert plan["budget_mib"] == pytest.approx(rows["plain"]["memory_mib"])
+    assert {"plain", "timm checkpointing", "plan 1.2", "plan 0.05"} <= set(rows)
+    # which policies the plan picks follows the CPU's timings (noise); any of them must keep
+    # what it predicts, and at 1.2x the plain memory every choice fits
+    plan = rows["plan 1.2"]
+    assert plan["budget_mib"] == pytest.approx(1.2 * rows["plain"]["memory_mib"])
     expected = plan["predicted_mib"] - plan["predicted_transient_mib"]
     assert plan["memory_mib"] == pytest.approx(expected, rel=0.05), plan
     assert "below the memory no activation policy changes" in rows["plan 0.05"]["error"]
-    assert "| plan 1 |" in (tmp_path / "b.md").read_text()
+    assert "| plan 1.2 |" in (tmp_path / "b.md").read_text()
