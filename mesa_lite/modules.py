@@ -25,6 +25,7 @@ from mesa_lite.ops.conv import conv, same_padding
 from mesa_lite.ops.dropout import dropout
 from mesa_lite.ops.gelu import gelu
 from mesa_lite.ops.group_norm import group_norm
+from mesa_lite.ops.hardswish import hardswish
 from mesa_lite.ops.layer_norm import layer_norm
 from mesa_lite.ops.linear import linear
 from mesa_lite.ops.matmul import matmul
@@ -484,6 +485,18 @@ class Hardtanh(MesaModule, nn.Hardtanh):
             return super().forward(x)
         op = ("hardtanh", self.min_val, self.max_val)
         return relu(x, self.inplace, op, self.mesa_spec.exact)
+
+
+class Hardswish(MesaModule, nn.Hardswish):
+    """``nn.Hardswish`` (MobileNetV3), in place or not, keeping its input in int8 and which
+    of its three pieces each element fell on (``ops/hardswish.py``)."""
+
+    mesa_kind = "activation"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._mesa_active(x):
+            return super().forward(x)
+        return hardswish(x, self.inplace, self.mesa_spec)
 
 
 class Hardsigmoid(MesaModule, nn.Hardsigmoid):

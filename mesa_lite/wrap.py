@@ -45,6 +45,7 @@ from mesa_lite.modules import (
     FusedBlock,
     GroupNorm,
     Hardsigmoid,
+    Hardswish,
     Hardtanh,
     InstanceNorm1d,
     InstanceNorm2d,
@@ -117,6 +118,7 @@ _REGISTRY: dict[type, _Entry] = {
     nn.AvgPool2d: _Entry(AvgPool2d, "pool"),
     nn.AdaptiveAvgPool2d: _Entry(AdaptiveAvgPool2d, "pool"),
     nn.GroupNorm: _Entry(GroupNorm, "groupnorm"),
+    nn.Hardswish: _Entry(Hardswish, "activation"),
     nn.Hardsigmoid: _Entry(Hardsigmoid, "activation"),
     nn.Sigmoid: _Entry(Sigmoid, "activation"),
 }

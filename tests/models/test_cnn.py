@@ -63,14 +63,14 @@ def test_debug_exact_is_bit_for_bit(name):
 
 @pytest.mark.parametrize(
     ("name", "kept_at_most"),
-    # measured 0.201 and 0.420 (0.549 and 0.477 before the in-place SiLU, the
-    # squeeze-excitation multiply and hard-sigmoid were compressed; hard-swish stays plain)
-    [("efficientnet_b0", 0.25), ("mobilenetv3_small_100", 0.5)],
+    # measured 0.201 and 0.290 (0.549 and 0.477 before the in-place SiLU, the
+    # squeeze-excitation multiply, hard-sigmoid and hard-swish were compressed)
+    [("efficientnet_b0", 0.25), ("mobilenetv3_small_100", 0.35)],
 )
 def test_timm_batchnorm_act_models(name, kept_at_most):
     """EfficientNet-B0 and MobileNetV3 (timm's BatchNormAct2d, depthwise convolutions, SiLU and
     hard-swish): logits and running statistics bit for bit; all gradients together at 30 dB or
-    better (measured 33.0 and 39.7). Per parameter, a few BatchNorm gradients that nearly
+    better (measured 33.0 and 35.8). Per parameter, a few BatchNorm gradients that nearly
     cancel at initialization (norms 1e-4 against 1 for their neighbours) are dominated by the
     int8 noise, so the floor is on the whole gradient."""
     timm = pytest.importorskip("timm")
