@@ -97,13 +97,16 @@ def pack_bits(mask: torch.Tensor, use_triton: bool | None = None) -> torch.Tenso
         use_triton = use_triton_for(mask)
     if not use_triton:
         return pack_bits_ref(mask)
-    if not mask.is_contiguous():
-        mask = mask.contiguous()
-    n = mask.numel()
+    return _packed(_PACK, mask.contiguous().view(torch.uint8))
+
+
+def _packed(launcher, src: torch.Tensor) -> torch.Tensor:
+    """``src`` (contiguous) packed 8 elements per byte by a packing kernel's ``launcher``."""
+    n = src.numel()
     nbytes = (n + 7) // 8
-    out = torch.empty(nbytes, dtype=torch.uint8, device=mask.device)
+    out = torch.empty(nbytes, dtype=torch.uint8, device=src.device)
     if n:
-        _PACK(((nbytes + _BLOCK - 1) // _BLOCK,), mask.view(torch.uint8), out, n, nbytes, _BLOCK)
+        launcher(((nbytes + _BLOCK - 1) // _BLOCK,), src, out, n, nbytes, _BLOCK)
     return out
 
 
@@ -147,14 +150,7 @@ def pack_positive(x: torch.Tensor, use_triton: bool | None = None) -> torch.Tens
         use_triton = use_triton_for(x)
     if not use_triton or x.dtype not in _PACKS:
         return pack_positive_ref(x)
-    if not x.is_contiguous():
-        x = x.contiguous()
-    n = x.numel()
-    nbytes = (n + 7) // 8
-    out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-    if n:
-        _PACK_POSITIVE(((nbytes + _BLOCK - 1) // _BLOCK,), x, out, n, nbytes, _BLOCK)
-    return out
+    return _packed(_PACK_POSITIVE, x.contiguous())
 
 
 def relu_backward(

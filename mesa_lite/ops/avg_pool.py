@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from mesa_lite.ops.common import first_order_only, needs_grad, plain_under_functorch
+from mesa_lite.ops.max_pool import _pair
 
 
 class AvgPoolFn(torch.autograd.Function):
@@ -38,10 +39,6 @@ class AvgPoolFn(torch.autograd.Function):
             grad, x, kernel, stride_, padding, ceil_mode, count_include_pad, divisor
         )
         return gx, None, None
-
-
-def _pair(v) -> list[int]:
-    return [v, v] if isinstance(v, int) else list(v)
 
 
 def avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):

@@ -20,6 +20,7 @@ from mesa_lite.ops.common import (
     autocast_cast,
     autocast_dtype,
     channels_last_perm,
+    dtypes_of,
     first_order_only,
     inverse_perm,
     plain_under_functorch,
@@ -90,10 +91,7 @@ class BatchNormFn(torch.autograd.Function):
         quant.save(ctx, px, weight, running_mean, running_var, mean, invstd, reserve)
         ctx.cfg, ctx.impl = cfg, impl
         ctx.x_meta = (x.shape, x.stride(), x.dtype)
-        ctx.param_dtypes = (
-            None if weight is None else weight.dtype,
-            None if bias is None else bias.dtype,
-        )
+        ctx.param_dtypes = dtypes_of(weight, bias)
         return out
 
     @staticmethod

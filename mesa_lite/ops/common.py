@@ -109,6 +109,12 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if method is None else method(t)
 
 
+def dtypes_of(*tensors: torch.Tensor | None) -> tuple[torch.dtype | None, ...]:
+    """Each tensor's dtype (None for None): what a Function casts its parameters' gradients
+    back to."""
+    return tuple(None if t is None else t.dtype for t in tensors)
+
+
 def channels_last_perm(x: torch.Tensor) -> tuple[int, ...] | None:
     """The permutation that makes a channels-last ``x`` contiguous (N, spatial..., C); None for
     a contiguous ``x`` or any other layout (kept in row-major order)."""

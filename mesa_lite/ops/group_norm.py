@@ -19,6 +19,7 @@ from mesa_lite.ops.common import (
     autocast_cast,
     autocast_dtype,
     channels_last_perm,
+    dtypes_of,
     first_order_only,
     plain_under_functorch,
     register_probe,
@@ -71,10 +72,7 @@ class GroupNormFn(torch.autograd.Function):
         quant.save(ctx, px, weight, mean, rstd)
         ctx.cfg, ctx.dims = cfg, (n, c, hxw)
         ctx.x_meta = (x.shape, x.stride(), x.dtype)
-        ctx.param_dtypes = (
-            None if weight is None else weight.dtype,
-            None if bias is None else bias.dtype,
-        )
+        ctx.param_dtypes = dtypes_of(weight, bias)
         return out
 
     @staticmethod
