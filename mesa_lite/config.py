@@ -179,6 +179,8 @@ class Config:
             k-th); with the structural modes the last block is never checkpointed.
         checkpoint_bits: code width of the checkpointed modules' input copy; None: ``bits``.
             It uses ``group_size`` and ``rounding`` (None: nearest at 8 bits, stochastic below).
+            ``"exact"``: keep the input itself, uncompressed (exact checkpointing, as
+            ``torch.utils.checkpoint``, with mesa_lite's recompute and ``checkpoint_inner``).
         checkpoint_inner: what the recompute of a checkpointed module keeps (one module at a
             time): ``"exact"``: its layers stay plain; ``"norms"`` (the default): only its
             LayerNorms and RMSNorms are wrapped (their fp32 inputs are the largest tensors a
@@ -194,7 +196,7 @@ class Config:
     debug_exact: bool = False
     checkpoint: str | tuple[str, ...] | None = None
     checkpoint_every: int = 1
-    checkpoint_bits: int | None = None
+    checkpoint_bits: int | str | None = None
     checkpoint_inner: str = "norms"
 
     def __post_init__(self) -> None:
@@ -266,7 +268,12 @@ class Config:
         every = self.checkpoint_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"checkpoint_every must be a positive int, got {every!r}")
-        if self.checkpoint_bits is not None:
+        if self.checkpoint_bits is not None and self.checkpoint_bits != "exact":
+            if isinstance(self.checkpoint_bits, str):
+                raise ValueError(
+                    f'checkpoint_bits must be one of {list(SUPPORTED_BITS)}, "exact" or None, '
+                    f"got {self.checkpoint_bits!r}"
+                )
             _check_bits(self.checkpoint_bits, "checkpoint_bits")
             _check_packing(self.checkpoint_bits, self.group_size, "group_size")
         if self.checkpoint_inner not in CHECKPOINT_INNER:
@@ -277,6 +284,8 @@ class Config:
 
     def checkpoint_spec(self) -> QuantSpec:
         """The setting of a checkpointed module's input copy."""
+        if self.checkpoint_bits == "exact":
+            return QuantSpec(self.bits, self.group_size, self.rounding, exact=True)
         bits = self.bits if self.checkpoint_bits is None else self.checkpoint_bits
         return QuantSpec(bits, self.group_size, self.rounding, exact=self.debug_exact)
 

@@ -460,8 +460,13 @@ def _wrap(model, config, filter_fn):
     if units:
         kinds = Counter(type(m).__name__ for _, m in units)
         line += (
-            f"; checkpointed {len(units)} modules ({_kinds(kinds)}) keeping their input at "
-            f"{config.checkpoint_spec().describe()}, {config.checkpoint_inner} inside"
+            f"; checkpointed {len(units)} modules ({_kinds(kinds)}) keeping their input "
+            + (
+                "exactly"
+                if config.checkpoint_bits == "exact"
+                else f"at {config.checkpoint_spec().describe()}"
+            )
+            + f", {config.checkpoint_inner} inside"
         )
     logger.log(logging.WARNING if skipped else logging.INFO, line)
     return model

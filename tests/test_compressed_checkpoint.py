@@ -6,6 +6,7 @@ pickling, re-wrap, Hugging Face layers, convolutional blocks in channels_last).
 DDP and FSDP2 are in ``test_distributed.py``."""
 
 import copy
+import dataclasses
 import functools
 import pickle
 import statistics
@@ -128,6 +129,35 @@ def test_four_bit_input_within_its_floor():
         _, g1 = step(wrapped, x, y)
         medians[bits] = statistics.median(sqnrs(g0, g1))
     assert 25.0 <= medians[4] < medians[8] - 10, medians
+
+
+def test_exact_checkpointing_keeps_the_input_itself_and_matches_plain(caplog):
+    """checkpoint_bits="exact" with checkpoint_inner="exact": the blocks keep their input
+    tensors as they are (what torch.utils.checkpoint keeps) and the gradients are plain
+    training's bit for bit (the layers outside them in debug_exact)."""
+    x, y = batch(n=8)
+    plain = vit(drop=0.0)
+    out0, g0 = step(plain, x, y)
+    cfg = Config(checkpoint="blocks", checkpoint_bits="exact", checkpoint_inner="exact")
+    with caplog.at_level("INFO", logger="mesa_lite"):
+        # debug_exact: the layers outside the checkpointed blocks keep exact copies too
+        exact = mesa_lite.wrap(copy.deepcopy(plain), dataclasses.replace(cfg, debug_exact=True))
+    assert "keeping their input exactly, exact inside" in caplog.text
+    out1, g1 = step(exact, x, y)
+    assert torch.equal(out0, out1)
+    assert all(torch.equal(g0[n], g1[n]) for n in g0)
+    kept = {}
+    for name, c in {"plain": None, "exact": cfg, "int8": Config(checkpoint="blocks")}.items():
+        model = copy.deepcopy(plain)
+        if c is not None:
+            mesa_lite.wrap(model, c)
+        kept[name], _ = saved_activation_bytes(lambda m=model: m(x), list(model.parameters()))
+    # three checkpointed fp32 inputs of 8 x 17 x 64 instead of their int8 codes and scales
+    block_input = 8 * 17 * 64
+    assert kept["exact"] - kept["int8"] == 3 * (4 * block_input - block_input - block_input // 16)
+    assert kept["exact"] < kept["plain"] / 2
+    with pytest.raises(ValueError, match=r"checkpoint_bits must be one of \[8, 4, 2\], \"exact\""):
+        Config(checkpoint="blocks", checkpoint_bits="fp16")
 
 
 def test_kept_for_backward_is_the_compressed_block_inputs():
