@@ -207,6 +207,39 @@ def _cnn(src: _Sources) -> list[str]:
     return _table(header, rows)
 
 
+def _budget(src: _Sources) -> list[str]:
+    """benchmarks/budget.py on the H200: per model, the planner's plans (eager) at fractions of
+    the plain peak and the smallest feasible one, predicted against measured, beside the
+    framework's checkpointing of every k-th block, ``activation_memory_budget`` under compile
+    and the plans for those compiled peaks, compiled."""
+    rows = []
+    for label, name in (("DeiT-S", "budget_gpu_deit_s"), ("DeiT-B", "budget_gpu_deit_b"),
+                        ("Llama-shaped 1B", "budget_gpu_llama")):  # fmt: skip
+        plain = src.row(name, row="plain")
+        rows.append([label, "plain", "-", "-", _mib(plain["peak_mib"]), "-",
+                     _ms(plain["step_ms"]), "1.00x"])  # fmt: skip
+        for r in src.rows(name):
+            if r["row"] in ("plain", "measurements") or "error" in r:
+                continue
+            src.row(name, row=r["row"])
+            plan = "policies" in r
+            predicted = "-"
+            if plan:
+                predicted = _mib(r["predicted_mib"])
+                if round(r["repredicted_mib"]) != round(r["predicted_mib"]):
+                    predicted += f" / {_mib(r['repredicted_mib'])}"
+            step = _ms(r["step_ms"])
+            if plan and "compiled" not in r["row"]:
+                step += f" ({_ms(r['predicted_step_ms'])})"
+            rows.append([label, r["row"], _mib(r["budget_mib"]) if plan else "-",
+                         r["policies"] if plan else "-", _mib(r["memory_mib"]), predicted, step,
+                         _x(r["step_ratio"])])  # fmt: skip
+    header = ["model", "row", "budget MiB", "plan (policy x blocks)", "peak MiB",
+              "predicted peak MiB (at the run / today's model)", "step ms (predicted)",
+              "step / plain"]  # fmt: skip
+    return _table(header, rows)
+
+
 def _llm(src: _Sources) -> list[str]:
     """Hugging Face models from configs, bf16 autocast, sdpa, 8 bits and HF checkpointing."""
     models = [
@@ -308,6 +341,7 @@ TABLES: dict[str, Callable[[_Sources], list[str]]] = {
     "deit": _deit,
     "timm": _timm,
     "cnn": _cnn,
+    "budget": _budget,
     "llm": _llm,
     "ckpt": _ckpt,
     "compiled": _compiled,

@@ -9,23 +9,37 @@ Policies, per block:
     ``int4``    its layers keep 4-bit codes;
     ``ckpt8``   compressed checkpointing: the block keeps an int8 copy of its input only and is
                 recomputed from it in backward (``Config.checkpoint``);
-    ``ckpt4``   the same from a 4-bit copy.
+    ``ckpt4``   the same from a 4-bit copy;
+    ``ckpt``    exact checkpointing: the block keeps its input as it is and is recomputed
+                exactly (``Config(checkpoint_bits="exact", checkpoint_inner="exact")``).
 
-The predicted peak is ``static + outside + temporaries + sum(kept) + max(transient)``:
-parameters, gradients and optimizer state; what the model keeps outside its blocks; the
-largest temporaries of backward; each block's kept bytes under its policy; and the largest
-extra memory alive while one block's backward runs (a checkpointed block's recompute). The
-predicted step time is ``other_seconds + sum(seconds)``. The choice minimizes the time under
-the budget exactly, as a multiple-choice knapsack over memory counted in units of at most
-1/4096 of the budget, each block's bytes rounded up (so the predicted peak never exceeds the
-budget); one Config holds one checkpoint width, so plans with ``ckpt8`` and with ``ckpt4``
-are solved apart and the faster is kept.
+The predicted peak is the larger of the training peak and the optimizer step's peak. The
+training peak is the largest, over the blocks in backward order (last block first), of what
+is alive while block ``i``'s backward runs: ``static + outside + temporaries + kept(0..i) +
+transient(i)``. Its terms: parameters, gradients and optimizer state (on CUDA also the other
+tensors allocated when the step starts, such as its inputs); what the model keeps outside its
+blocks; what backward adds to the kept bytes, split in a fixed part (``temporaries``) and a
+part per policy (``transient``); and the bytes kept by blocks ``0..i`` (the later ones were
+freed by their backward). On CUDA ``temporaries`` and ``transient`` come from the measured
+training peak of each policy on every block (where the last block's backward runs: backward's
+temporaries and a checkpointed block's recompute, less the gradients not yet allocated then,
+so ``temporaries`` may be negative). The gradients an earlier block's backward finds
+allocated are taken as offset by the temporaries of the loss and head freed by then: on the
+H200 this model predicted DeiT-S and DeiT-B plans' measured peaks within 0.5%. On other
+devices ``temporaries`` is 0 and a checkpointed block's transient its plain bytes (its
+recompute, an upper bound). The predicted step time is ``other_seconds + sum(seconds)``. The
+choice minimizes the time under the budget exactly, by a dynamic program over the blocks in
+order on the bytes kept so far, counted in units of at most 1/4096 of the budget, each
+block's bytes rounded up (so the predicted peak never exceeds the budget); one Config holds
+one checkpoint width, so plans with ``ckpt8``, ``ckpt4`` and ``ckpt`` are solved apart and
+the fastest is kept.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import math
 import statistics
 import time
@@ -36,7 +50,9 @@ import torch
 
 from mesa_lite.config import Config
 
-POLICIES: tuple[str, ...] = ("plain", "int8", "int4", "ckpt8", "ckpt4")
+POLICIES: tuple[str, ...] = ("plain", "int8", "int4", "ckpt8", "ckpt4", "ckpt")
+# checkpointing policies -> Config.checkpoint_bits
+_WIDTHS = {"ckpt8": 8, "ckpt4": 4, "ckpt": "exact"}
 _UNITS = 4096  # memory resolution of the choice: the budget in at most this many units
 
 
@@ -65,9 +81,13 @@ class Measurements:
     Attributes:
         blocks: the repeated blocks' module names, in order.
         costs: policy -> one ``PolicyCost`` per block (a policy left out is not a choice).
-        static: bytes of parameters, gradients and optimizer state.
+        static: bytes of parameters, gradients and optimizer state (measured on CUDA: also
+            the other tensors allocated when the step starts, such as its inputs).
         outside: bytes the model keeps for backward outside its blocks.
-        temporaries: the largest temporaries of a backward (bytes).
+        temporaries: backward's net temporaries (bytes; may be negative: see the module
+            docstring).
+        optimizer_peak: the optimizer step's peak (bytes; 0: not measured).
+
         other_seconds: the step time outside the blocks (optimizer, head, loss).
         leaves: the blocks that are modules without children (see ``to_config``).
     """
@@ -77,6 +97,7 @@ class Measurements:
     static: int
     outside: int = 0
     temporaries: int = 0
+    optimizer_peak: int = 0
     other_seconds: float = 0.0
     leaves: tuple[str, ...] = ()
 
@@ -93,8 +114,10 @@ class Measurements:
                 raise ValueError(
                     f"costs[{policy!r}] has {len(per_block)} entries for {len(self.blocks)} blocks"
                 )
-        if min(self.static, self.outside, self.temporaries) < 0:
-            raise ValueError("static, outside and temporaries must be non-negative bytes")
+        if min(self.static, self.outside, self.optimizer_peak) < 0:
+            raise ValueError("static, outside and optimizer_peak must be non-negative bytes")
+        if _fixed(self) < 0:
+            raise ValueError("static + outside + temporaries must be non-negative bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +127,12 @@ class Plan:
     Attributes:
         blocks: the block names; ``policies`` one policy per block.
         peak: predicted peak bytes; ``seconds``: predicted step time.
-        terms: the peak's terms (static, outside, temporaries, kept, transient), bytes.
+        terms: the training peak's terms, bytes: static, outside, temporaries, ``kept`` (by
+            the blocks still holding their bytes when the peak is reached, from the first
+            to the block whose backward runs then) and ``transient`` (that block's); and the
+            optimizer step's peak (``optimizer_step``).
+        where: where the predicted peak is, ``"backward"`` or ``"optimizer step"``.
+        saved: the bytes all blocks keep for backward at the end of forward.
         config: the ``Config`` that applies the plan (pass it to ``wrap``).
     """
 
@@ -114,6 +142,8 @@ class Plan:
     seconds: float
     terms: Mapping[str, int]
     config: Config
+    where: str = "backward"
+    saved: int = 0
 
     def config_kwargs(self) -> dict:
         """``config`` as plain data (JSON-serializable) for ``Config(**kwargs)``: save it and
@@ -135,7 +165,8 @@ class Plan:
         return out
 
     def __str__(self) -> str:
-        lines = [f"plan: peak {_size(self.peak)}, step {self.seconds * 1e3:.1f} ms"]
+        lines = [f"plan: peak {_size(self.peak)} (in the {self.where}), step "
+                 f"{self.seconds * 1e3:.1f} ms"]  # fmt: skip
         lines += [f"  {k}: {_size(v)}" for k, v in self.terms.items()]
         counts = {p: self.policies.count(p) for p in POLICIES if p in self.policies}
         lines.append("  blocks: " + ", ".join(f"{p} x{n}" for p, n in counts.items()))
@@ -143,72 +174,99 @@ class Plan:
 
 
 def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _fixed(m: Measurements) -> int:
     return m.static + m.outside + m.temporaries
 
 
-def smallest_peak(m: Measurements) -> int:
-    """The smallest predicted peak any choice of policies reaches (bytes)."""
-    best = None
-    for cap in sorted({c.transient for cs in m.costs.values() for c in cs}):
-        kept = 0
-        for i in range(len(m.blocks)):
-            fits = [cs[i].kept for cs in m.costs.values() if cs[i].transient <= cap]
-            if not fits:
-                break
-            kept += min(fits)
-        else:
-            peak = _fixed(m) + kept + cap
-            best = peak if best is None else min(best, peak)
-    return best
+def _peak_terms(m: Measurements, choice: Sequence[str]) -> dict[str, int]:
+    """The training peak of ``choice`` and its terms: the largest over the blocks, in
+    backward order, of what is alive while block ``i``'s backward runs (the fixed terms, the
+    bytes kept by blocks ``0..i`` and block ``i``'s transient)."""
+    best, prefix = None, 0
+    for i, p in enumerate(choice):
+        c = m.costs[p][i]
+        prefix += c.kept
+        if best is None or prefix + c.transient > best[0] + best[1]:
+            best = (prefix, c.transient)
+    return {"static": m.static, "outside": m.outside, "temporaries": m.temporaries,
+            "kept": best[0], "transient": best[1]}  # fmt: skip
 
 
 def _solve(m: Measurements, budget: int, allowed: tuple[str, ...]):
-    """The fastest choice among ``allowed`` under ``budget``: (seconds, policies, kept,
-    transient) or None."""
+    """The fastest choice among ``allowed`` whose training peak (``_peak_terms``) is at most
+    ``budget``: (seconds, policies) or None. A dynamic program over the blocks in order, on
+    the bytes kept so far in units of ``budget / 4096`` (each block's bytes rounded up, so a
+    choice it accepts fits): ``table[u]`` is the least time of the blocks so far with at most
+    ``u`` units, and a policy is allowed at block ``i`` only where those units and its
+    transient fit."""
     unit = max(1, math.ceil(budget / _UNITS))
-    best = None
-    caps = sorted({c.transient for p in allowed for c in m.costs[p]})
-    for cap in caps:  # the largest transient allowed: the peak's last term
-        room = budget - _fixed(m) - cap
-        if room < 0:
-            continue
-        slots = room // unit
-        # table[u] = (seconds, choices) with at most u units used, over the blocks so far
-        table: list[tuple[float, tuple[str, ...]] | None] = [(0.0, ())] * (slots + 1)
-        for i in range(len(m.blocks)):
-            nxt: list[tuple[float, tuple[str, ...]] | None] = [None] * (slots + 1)
-            for p in allowed:
-                c = m.costs[p][i]
-                if c.transient > cap:
-                    continue
-                need = math.ceil(c.kept / unit)
-                for u in range(need, slots + 1):
-                    prev = table[u - need]
-                    if prev is None:
-                        continue
-                    t = prev[0] + c.seconds
-                    cur = nxt[u]
-                    if cur is None or t < cur[0]:
-                        nxt[u] = (t, (*prev[1], p))
-            # at most u units: carry the best of fewer units forward
-            for u in range(1, slots + 1):
-                a, b = nxt[u - 1], nxt[u]
-                if a is not None and (b is None or a[0] < b[0]):
-                    nxt[u] = a
-            table = nxt
-        found = table[slots]
-        if found is None:
-            continue
-        seconds, choice = found
-        kept = sum(m.costs[p][i].kept for i, p in enumerate(choice))
-        transient = max(m.costs[p][i].transient for i, p in enumerate(choice))
-        if best is None or seconds < best[0]:
-            best = (seconds, choice, kept, transient)
-    return best
+    room = budget - _fixed(m)
+    if room < 0:
+        return None
+    slots = room // unit
+    inf = math.inf
+    table = torch.zeros(slots + 1, dtype=torch.float64)
+    back = []
+    for i in range(len(m.blocks)):
+        cand = torch.full((len(allowed), slots + 1), inf, dtype=torch.float64)
+        for k, p in enumerate(allowed):
+            c = m.costs[p][i]
+            need = math.ceil(c.kept / unit)
+            top = min(slots, (room - c.transient) // unit)
+            if top >= need:
+                cand[k, need : top + 1] = table[: top + 1 - need] + c.seconds
+        best, arg = cand.min(0)
+        table, carried = torch.cummin(best, 0)  # at most u units: the best of fewer carries
+        back.append((arg, carried))
+    if math.isinf(table[slots].item()):
+        return None
+    choice, u = [], slots
+    for i in range(len(m.blocks) - 1, -1, -1):
+        arg, carried = back[i]
+        u = int(carried[u])
+        p = allowed[int(arg[u])]
+        choice.append(p)
+        u -= math.ceil(m.costs[p][i].kept / unit)
+    choice.reverse()
+    return sum(m.costs[p][i].seconds for i, p in enumerate(choice)), tuple(choice)
+
+
+def _widths(m: Measurements) -> list[tuple[str, ...]]:
+    """The policy sets solved apart: one checkpoint width each (one Config holds one)."""
+    policies = tuple(p for p in POLICIES if p in m.costs)
+    return [tuple(p for p in policies if p not in _WIDTHS or p == w)
+            for w in [w for w in _WIDTHS if w in policies] or [None]]  # fmt: skip
+
+
+def _best(m: Measurements, budget: int):
+    """The fastest choice over the widths under ``budget``: (seconds, policies) or None."""
+    found = [f for allowed in _widths(m) if (f := _solve(m, budget, allowed)) is not None]
+    return min(found, key=lambda f: f[0]) if found else None
+
+
+def smallest_budget(m: Measurements) -> int:
+    """The smallest budget (bytes, to 1/10,000 of it) for which ``choose`` finds a plan."""
+    lo = max(_fixed(m), m.optimizer_peak) - 1
+    hi = max(lo + 1, 1)
+    while _best(m, hi) is None:
+        hi *= 2
+    while hi - lo > max(1, hi // 10_000):
+        mid = (lo + hi) // 2
+        if _best(m, mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def smallest_peak(m: Measurements) -> int:
+    """The smallest predicted peak of a plan ``choose`` finds (bytes): the plan at
+    ``smallest_budget``."""
+    _, choice = _best(m, smallest_budget(m))
+    return max(sum(_peak_terms(m, choice).values()), m.optimizer_peak)
 
 
 def to_config(
@@ -224,7 +282,8 @@ def to_config(
     ``bits`` for ``int8`` and ``int4`` (merged into an override of ``base`` with the same
     key). The checkpointed blocks are named in ``checkpoint``, at their one width, every one
     of them (``checkpoint_every`` 1): the plan decides what is checkpointed, whatever ``base``
-    said.
+    said; exact checkpointing (``ckpt``) also runs the recompute exact
+    (``checkpoint_inner="exact"``).
     """
     base = Config() if base is None else base
     overrides = {k: dict(v) for k, v in base.overrides.items()}
@@ -236,18 +295,22 @@ def to_config(
         fields = {"plain": {"enabled": False}, "int4": {"bits": 4}, "int8": {"bits": 8}}.get(p)
         if fields is None:
             ckpt.append(name)
-            widths.add(int(p[4:]))
+            widths.add(_WIDTHS[p])
             continue
         for key in (name,) if name in leaf else (name, f"{name}.*"):
             overrides[key] = {**overrides.get(key, {}), **fields}
     if len(widths) > 1:
-        raise ValueError("one Config checkpoints at one width: ckpt8 and ckpt4 together")
+        raise ValueError(
+            "one Config checkpoints at one width: only one of ckpt8, ckpt4 and ckpt in a plan"
+        )
+    width = widths.pop() if widths else base.checkpoint_bits
     return dataclasses.replace(
         base,
         overrides=overrides,
         checkpoint=tuple(ckpt) if ckpt else None,
         checkpoint_every=1,
-        checkpoint_bits=widths.pop() if widths else base.checkpoint_bits,
+        checkpoint_bits=width,
+        checkpoint_inner="exact" if width == "exact" else base.checkpoint_inner,
     )
 
 
@@ -256,42 +319,42 @@ def choose(m: Measurements, budget: int, base: Config | None = None) -> Plan:
 
     Raises:
         PlanError: when no choice fits; the message names the terms (static memory alone
-            above the budget, or the smallest peak any choice reaches).
+            above the budget, or the smallest budget a plan fits).
     """
-    if budget < _fixed(m):
+    if budget < max(_fixed(m), m.optimizer_peak):
         raise PlanError(
             f"budget {_size(budget)} is below the memory no activation policy changes: "
             f"{_size(_fixed(m))} (parameters, gradients and optimizer state {_size(m.static)}, "
-            f"activations outside the blocks {_size(m.outside)}, backward temporaries "
+            f"activations outside the blocks {_size(m.outside)}, backward's net temporaries "
             f"{_size(m.temporaries)})"
+            + (
+                f", or the optimizer step's peak {_size(m.optimizer_peak)}"
+                if m.optimizer_peak
+                else ""
+            )
         )
-    policies = tuple(p for p in POLICIES if p in m.costs)
-    candidates = []
-    for width in ("ckpt8", "ckpt4"):
-        allowed = tuple(p for p in policies if not p.startswith("ckpt") or p == width)
-        found = _solve(m, budget, allowed)
-        if found is not None:
-            candidates.append(found)
-    if not candidates:
-        floor = smallest_peak(m)
-        # the choice counts memory in units of budget / 4096, each block's bytes rounded up
-        need = floor + len(m.blocks) * math.ceil(budget / _UNITS)
+    found = _best(m, budget)
+    if found is None:
+        floor = smallest_budget(m)
         raise PlanError(
-            f"budget {_size(budget)} is below every choice of policies: the smallest "
-            f"predicted peak is {_size(floor)} (fixed terms {_size(_fixed(m))}, the rest the "
-            "blocks' smallest kept bytes and the recompute of a checkpointed block); with "
-            f"memory counted in 1/{_UNITS} of the budget, plan for at least {_size(need)}"
-        )
-    seconds, choice, kept, transient = min(candidates, key=lambda c: c[0])
-    terms = {"static": m.static, "outside": m.outside, "temporaries": m.temporaries,
-             "kept": kept, "transient": transient}  # fmt: skip
+            f"budget {_size(budget)} is below every choice of policies: the smallest budget "
+            f"a plan fits is {_size(floor)} (fixed terms {_size(_fixed(m))}, the rest the "
+            "blocks' smallest kept bytes and the recompute of a checkpointed block"
+            + (f"; the optimizer step's peak {_size(m.optimizer_peak)}" if m.optimizer_peak
+               else "") + ")"
+        )  # fmt: skip
+    seconds, choice = found
+    terms = _peak_terms(m, choice)
+    training = sum(terms.values())
     return Plan(
         blocks=tuple(m.blocks),
         policies=choice,
-        peak=sum(terms.values()),
+        peak=max(training, m.optimizer_peak),
         seconds=m.other_seconds + seconds,
-        terms=terms,
+        terms={**terms, "optimizer_step": m.optimizer_peak},
         config=to_config(m.blocks, choice, base, m.leaves),
+        where="backward" if training >= m.optimizer_peak else "optimizer step",
+        saved=sum(m.costs[p][i].kept for i, p in enumerate(choice)),
     )
 
 
@@ -311,10 +374,23 @@ def _step_seconds(model, step_fn, optimizer, steps: int, device) -> float:
     return statistics.median(times)
 
 
-def _kept_by_block(model, step_fn, optimizer, blocks: Sequence[str], device):
+@dataclasses.dataclass
+class _Step:
+    """One measured training step (bytes): kept per block and outside them, the static memory,
+    and on CUDA the training peak and the optimizer step's peak (0 on other devices)."""
+
+    per_block: dict
+    outside: int
+    static: int
+    training_peak: int = 0
+    optimizer_peak: int = 0
+
+
+def _kept_by_block(model, step_fn, optimizer, blocks: Sequence[str], device, exclude: int = 0):
     """One training step; the unique storages saved for backward during its forward, split
-    by the block whose forward saved them (``None``: outside the blocks); on CUDA also the
-    memory backward adds on top of what forward left allocated, less the gradients."""
+    by the block whose forward saved them (``None``: outside the blocks). On CUDA the peaks
+    and the static memory are ``torch.cuda`` allocator counts less ``exclude`` bytes (tensors
+    allocated now that the planned run will not have: the model ``measure`` copied)."""
     from mesa_lite.breakdown import _finish, _storages
 
     params = _storages(model.parameters(), {})
@@ -345,36 +421,39 @@ def _kept_by_block(model, step_fn, optimizer, blocks: Sequence[str], device):
         return t.detach()
 
     cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = step_fn(model)
     finally:
         for h in hooks:
             h.remove()
+    loss.backward()
+    del loss
+    grads = sum(_storages((p.grad for p in model.parameters()), {}).values())
+    step = _Step({n: 0 for n in blocks}, 0, sum(params.values()) + grads)
     if cuda:
         torch.cuda.synchronize(device)
+        step.training_peak = torch.cuda.max_memory_allocated(device) - exclude
+        step.static = before - exclude + grads
         torch.cuda.reset_peak_memory_stats(device)
-        after_forward = torch.cuda.memory_allocated(device)
-    loss.backward()
-    temporaries = 0
-    if cuda:
-        grads = sum(_storages((p.grad for p in model.parameters()), {}).values())
-        temporaries = max(0, torch.cuda.max_memory_allocated(device) - after_forward - grads)
-    static = sum(params.values()) + sum(
-        _storages((p.grad for p in model.parameters()), {}).values()
-    )
     _finish(model, optimizer, True)
-    state = _storages((t for st in (optimizer.state.values() if optimizer else ())
-                       for t in st.values()), params)  # fmt: skip
-    static += sum(state.values())
-    per_block = {n: 0 for n in blocks}
-    outside = 0
+    if cuda:
+        torch.cuda.synchronize(device)
+        step.optimizer_peak = torch.cuda.max_memory_allocated(device) - exclude
+    else:
+        state = _storages((t for st in (optimizer.state.values() if optimizer else ())
+                           for t in st.values()), params)  # fmt: skip
+        step.static += sum(state.values())
     for ptr, n in owner.items():
         if n is None:
-            outside += sizes[ptr]
+            step.outside += sizes[ptr]
         else:
-            per_block[n] += sizes[ptr]
-    return per_block, outside, static, temporaries
+            step.per_block[n] += sizes[ptr]
+    return step
 
 
 def measure(
@@ -387,13 +466,16 @@ def measure(
     blocks: Sequence[str] | None = None,
     warmup: int = 1,
     timed: int = 3,
+    sync: bool = True,
 ) -> Measurements:
     """Measures ``model``'s training step under each policy applied to every repeated block.
 
     Each policy runs on a deep copy of ``model`` wrapped with ``to_config(blocks, [policy] *
     n, base)`` (the layers outside the blocks wrapped by ``base`` in every run, so they keep
     the same): ``warmup`` steps, one step whose forward's saved tensors are counted per block
-    (and, on CUDA, backward's temporaries), then ``timed`` synchronized steps, whose median
+    (and, on CUDA, the allocator's peaks of training and of the optimizer step, less the bytes
+    of ``model`` itself, which the planned run will not hold twice), then ``timed``
+    synchronized steps, whose median
     divided among the blocks is each block's time (the rest of the step is then shared
     evenly, so a plan's predicted time is exact for one policy on every block and a mix of
     those in between).
@@ -407,10 +489,15 @@ def measure(
         base: the Config the plan builds on (bits, group size, layer kinds).
         blocks: the block names; by default the model's repeated blocks
             (``mesa_lite.checkpoint.repeated_blocks``).
+        sync: under torch.distributed, return rank 0's measurements on every rank
+            (``broadcast``), so that every rank plans the same.
 
-    The transient memory of a checkpointed block (its recompute during backward) is taken
-    as the block's bytes under ``plain``, an upper bound; measure ``plain`` with the
-    checkpointing policies.
+    On CUDA each policy's transient is what its measured training peak holds beyond static,
+    outside and kept bytes, less the smallest such excess over the policies (the fixed
+    ``temporaries`` term), so that one policy on every block predicts the peak it measured.
+    Elsewhere the transient memory of a checkpointed block (its recompute during backward) is
+    taken as the block's bytes under ``plain``, an upper bound, and the others' as 0; measure
+    ``plain`` with the checkpointing policies.
     """
     from mesa_lite.breakdown import train_step
     from mesa_lite.checkpoint import repeated_blocks
@@ -440,27 +527,71 @@ def measure(
     if missing:
         raise ValueError(f"measure: blocks {missing} are not modules of the model")
     leaves = tuple(n for n in blocks if not any(True for _ in modules[n].children()))
+    if optimizer_fn is not None and warmup < 1:
+        raise ValueError("measure: warmup must be at least 1 with an optimizer (its state is "
+                         "allocated by the first step)")  # fmt: skip
     device = next(model.parameters()).device
-    kept, seconds, outs, statics, temps = {}, {}, [], [], []
+    # the model given stays allocated while its copies run; the planned run will not have it
+    exclude = 0
+    if device.type == "cuda":
+        from mesa_lite.breakdown import _storages
+
+        exclude = sum(_storages((*model.parameters(), *model.buffers()), {}).values())
+    steps: dict[str, _Step] = {}
+    seconds = {}
     for p in policies:
         m = copy.deepcopy(model).train()  # a training step's costs, whatever mode it was in
         wrap(m, to_config(blocks, [p] * len(blocks), base, leaves))
         opt = optimizer_fn(m.parameters()) if optimizer_fn is not None else None
         for _ in range(warmup):
             train_step(m, step_fn, opt)
-        per_block, outside, static, temporaries = _kept_by_block(m, step_fn, opt, blocks, device)
-        kept[p] = per_block
-        outs.append(outside)
-        statics.append(static)
-        temps.append(temporaries)
+        steps[p] = _kept_by_block(m, step_fn, opt, blocks, device, exclude)
         seconds[p] = _step_seconds(m, step_fn, opt, timed, device) / len(blocks)
         del m, opt
+        gc.collect()
+    static = max(s.static for s in steps.values())
+    outside = max(s.outside for s in steps.values())
+    temporaries = 0
+    transient = {p: 0 for p in policies}
+    if device.type == "cuda":
+        # each policy's measured training peak less static, outside and kept: what backward
+        # adds (its temporaries, a checkpointed block's recompute, less the gradients not yet
+        # allocated at the peak); the smallest is the fixed term, the rest each policy's
+        # transient, so that one policy on every block predicts its measured peak
+        extra = {p: s.training_peak - static - outside - sum(s.per_block.values())
+                 for p, s in steps.items()}  # fmt: skip
+        temporaries = min(extra.values())
+        transient = {p: e - temporaries for p, e in extra.items()}
     costs = {
         p: tuple(
-            PolicyCost(kept[p][n], seconds[p], kept["plain"][n] if p.startswith("ckpt") else 0)
+            PolicyCost(
+                steps[p].per_block[n],
+                seconds[p],
+                # without allocator counts, a recompute's upper bound: the plain bytes
+                transient[p]
+                if device.type == "cuda" or p not in _WIDTHS
+                else steps["plain"].per_block[n],
+            )  # fmt: skip
             for n in blocks
         )
         for p in policies
     }
-    return Measurements(blocks=blocks, costs=costs, static=max(statics), outside=max(outs),
-                        temporaries=max(temps), other_seconds=0.0, leaves=leaves)  # fmt: skip
+    found = Measurements(blocks=blocks, costs=costs, static=static, outside=outside,
+                         temporaries=temporaries,
+                         optimizer_peak=max(s.optimizer_peak for s in steps.values()),
+                         other_seconds=0.0, leaves=leaves)  # fmt: skip
+    return broadcast(found) if sync else found
+
+
+def broadcast(m: Measurements, src: int = 0) -> Measurements:
+    """Rank ``src``'s measurements on every rank of the default process group (``m`` itself
+    when torch.distributed is not initialized or has one process): the ranks of a DDP or
+    FSDP run then choose the same plan (``choose`` is deterministic given them), whatever
+    their own timings said."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return m
+    box = [m]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -263,6 +263,32 @@ def _train_deit_checks(tmp: str) -> dict:
     return res
 
 
+def _planner_checks(rank, world) -> dict:
+    """mesa_lite.planner under torch.distributed: each rank measures its own half of the
+    batch (its timings differ); with ``sync`` (the default) every rank gets rank 0's
+    measurements and chooses the same plan."""
+    from mesa_lite import planner
+
+    _, _, xr, yr = _batch(rank, world)
+
+    def step_fn(m):
+        return torch.nn.functional.cross_entropy(m(xr), yr)
+
+    m = planner.measure(tiny_vit().train(), step_fn, policies=("plain", "int8", "ckpt8"),
+                        timed=1)  # fmt: skip
+    own = planner.measure(tiny_vit().train(), step_fn, policies=("plain", "int8", "ckpt8"),
+                          timed=1, sync=False)  # fmt: skip
+    budget = m.static + m.outside + sum(c.kept for c in m.costs["int8"]) + 2**20
+    plan = planner.choose(m, budget)
+    seen = [None] * world
+    dist.all_gather_object(seen, (m, plan.config_kwargs(), own))
+    return {
+        "planner-measurements-equal": all(s[0] == seen[0][0] for s in seen),
+        "planner-plans-equal": all(s[1] == seen[0][1] for s in seen),
+        "planner-rank0-own": seen[0][2].costs["plain"][0].kept == m.costs["plain"][0].kept,
+    }
+
+
 def _worker(rank, world, port, out):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
@@ -270,6 +296,7 @@ def _worker(rank, world, port, out):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         res = _ddp_checks(rank, world)
+        res.update(_planner_checks(rank, world))
         try:
             res.update(_fsdp_checks(rank, world))
         except (ImportError, RuntimeError, NotImplementedError) as e:  # no FSDP2 on CPU here
@@ -360,6 +387,13 @@ def test_train_deit_under_ddp_and_fsdp2(results):
         for a, b in zip(r["train-ddp-losses"], r["train-fsdp-losses"], strict=True):
             assert abs(a - b) < 1e-4, (a, b)
         assert r["train-fsdp-resumed-step"] == 3  # resumed at step 2, one more step
+
+
+def test_planner_plans_the_same_on_every_rank(results):
+    """planner.measure broadcasts rank 0's measurements: the ranks' plans are the same."""
+    for r in results:
+        assert r["planner-measurements-equal"] and r["planner-plans-equal"]
+        assert r["planner-rank0-own"]
 
 
 def test_copy_keeps_working_after_spawn():

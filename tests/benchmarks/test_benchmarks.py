@@ -281,22 +281,40 @@ def test_checkpoint_pareto_cpu_rows_and_chart(tmp_path):
 
 
 def test_budget_plans_and_measures_each_budget(tmp_path):
-    """benchmarks/budget.py on the CPU: plain, timm's checkpointing and one plan per budget,
-    each plan's measured bytes (kept + static) within 5% of its prediction less the
-    recompute term the CPU cannot see; a budget below the static memory is a row that says
-    so, not a failure."""
+    """benchmarks/budget.py on the CPU: plain, timm's checkpointing of every k-th block, one
+    plan per budget and the smallest feasible one, each plan's measured bytes (kept + static)
+    within 5% of the prediction's (the CPU has no backward peak to measure); a budget below
+    the static memory is a row that says so, not a failure; the planner's measurements are a
+    row of their own, from which the plan is chosen again."""
     from benchmarks import budget
+    from mesa_lite import planner
 
     argv = ["--device", "cpu", "--models", "test_vit", "--img-size", "32",
             "--batch-size", "2", "--dtype", "fp32", "--budgets", "1.2", "0.05", "--steps", "1",
-            "--warmup", "0", "--no-plot", "--out", str(tmp_path / "b")]  # fmt: skip
+            "--warmup", "1", "--timed", "1", "--every", "1", "2", "--no-plot",
+            "--out", str(tmp_path / "b")]  # fmt: skip
     rows = {r["row"]: r for r in budget.run(argv)}
-    assert {"plain", "timm checkpointing", "plan 1.2", "plan 0.05"} <= set(rows)
+    assert {"plain", "timm checkpointing", "checkpointing every 2", "plan 1.2", "plan 0.05",
+            "plan smallest", "measurements"} <= set(rows)  # fmt: skip
     # which policies the plan picks follows the CPU's timings (noise); any of them must keep
     # what it predicts, and at 1.2x the plain memory every choice fits
-    plan = rows["plan 1.2"]
-    assert plan["budget_mib"] == pytest.approx(1.2 * rows["plain"]["memory_mib"])
-    expected = plan["predicted_mib"] - plan["predicted_transient_mib"]
-    assert plan["memory_mib"] == pytest.approx(expected, rel=0.05), plan
+    for label in ("plan 1.2", "plan smallest"):
+        plan = rows[label]
+        assert plan["memory_mib"] == pytest.approx(plan["predicted_saved_mib"], rel=0.05), plan
+        assert plan["memory_mib"] <= plan["budget_mib"] * 1.0001
+    assert rows["plan 1.2"]["budget_mib"] == pytest.approx(1.2 * rows["plain"]["memory_mib"])
     assert "below the memory no activation policy changes" in rows["plan 0.05"]["error"]
+    # every second block checkpointed keeps less than plain, more than every block
+    mib = {k: rows[k]["memory_mib"] for k in ("plain", "checkpointing every 2",
+                                              "timm checkpointing")}  # fmt: skip
+    assert mib["plain"] > mib["checkpointing every 2"] > mib["timm checkpointing"]
+    saved = rows["measurements"]
+    m = planner.Measurements(
+        blocks=tuple(saved["blocks"]),
+        costs={p: tuple(planner.PolicyCost(*c) for c in cs) for p, cs in saved["costs"].items()},
+        static=saved["static"], outside=saved["outside"], temporaries=saved["temporaries"],
+        optimizer_peak=saved["optimizer_peak"], leaves=tuple(saved["leaves"]),
+    )  # fmt: skip
+    again = planner.choose(m, rows["plan 1.2"]["budget_bytes"])
+    assert again.config_kwargs() == rows["plan 1.2"]["config"]
     assert "| plan 1.2 |" in (tmp_path / "b.md").read_text()
