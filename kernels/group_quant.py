@@ -134,7 +134,9 @@ def set_rounding_state(state: tuple) -> None:
     _ROUNDING[0], _ROUNDING[1] = base, n
 
 
-def _check_quantize_args(x: torch.Tensor, group_size: int, bits: int) -> None:
+def _check_quantize_args(
+    x: torch.Tensor, group_size: int, bits: int, positive=False, signed=False, normalize=None
+) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
@@ -142,6 +144,8 @@ def _check_quantize_args(x: torch.Tensor, group_size: int, bits: int) -> None:
             f"quantize: x.dtype must be one of float32, float16, bfloat16, got {x.dtype}"
         )
     _check_bits_group(bits, group_size, "quantize")
+    if positive and (bits != 8 or signed or normalize is not None):
+        raise ValueError("quantize: positive codes are unsigned 8-bit codes of x itself")
 
 
 def _check_dequantize_args(
@@ -227,8 +231,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _codes(x, finite, safe, offs, seed, QMIN: tl.constexpr, QMAX: tl.constexpr,
-               STOCHASTIC: tl.constexpr):  # fmt: skip
-        """Codes of a [ROWS, B] tile of fp32 values; finite/safe are [ROWS, 1]."""
+               STOCHASTIC: tl.constexpr, POSITIVE: tl.constexpr = False):  # fmt: skip
+        """Codes of a [ROWS, B] tile of fp32 values; finite/safe are [ROWS, 1]. ``POSITIVE``
+        (unsigned codes): code 0 exactly where ``x <= 0``, at least 1 elsewhere (NaN too)."""
         y = tl.math.div_rn(x, tl.broadcast_to(safe, x.shape))
         special = tl.where(x == float("inf"), QMAX, tl.where(x == float("-inf"), -QMAX, 0.0))
         y = tl.where(finite, y, special)
@@ -236,7 +241,10 @@ if HAS_TRITON:
             q = tl.floor(y + tl.rand(seed, offs))
         else:
             q = _round_half_even(y)
-        return tl.minimum(tl.maximum(q, QMIN), QMAX)
+        q = tl.minimum(tl.maximum(q, QMIN), QMAX)
+        if POSITIVE:
+            q = tl.where(x <= 0.0, 0.0, tl.maximum(q, 1.0))
+        return q
 
     @triton.jit
     def _quantize_kernel(
@@ -256,6 +264,7 @@ if HAS_TRITON:
         PER_BYTE: tl.constexpr,  # 8 // BITS
         STOCHASTIC: tl.constexpr,
         NORM: tl.constexpr,  # quantize (x - mean[row]) * rstd[row] in fp32
+        POSITIVE: tl.constexpr,  # code 0 exactly where x <= 0 (see _codes)
         ONE_PASS: tl.constexpr,  # 8 bits and group_size <= BLOCK: one load per element
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
@@ -274,7 +283,7 @@ if HAS_TRITON:
             tl.store(scales_ptr + rows, scale, mask=row_ok)
             finite = ((scale > 0.0) & (scale < float("inf")))[:, None]
             safe = tl.where(finite, scale[:, None], 1.0)
-            q = _codes(x, finite, safe, offs, seed, QMIN, QMAX, STOCHASTIC)
+            q = _codes(x, finite, safe, offs, seed, QMIN, QMAX, STOCHASTIC, POSITIVE)
             tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
             return
         # one pass for the scales, one for the codes
@@ -292,7 +301,7 @@ if HAS_TRITON:
                 offs = base[:, None] + c[None, :]
                 mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
                 x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
-                q = _codes(x, finite, safe, offs, seed, QMIN, QMAX, STOCHASTIC)
+                q = _codes(x, finite, safe, offs, seed, QMIN, QMAX, STOCHASTIC, POSITIVE)
                 tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
         else:
             # Tile over bytes; lane j of each byte holds element byte * PER_BYTE + j.
@@ -484,6 +493,7 @@ def quantize(
     use_triton: bool | None = None,
     bits: int = 8,
     normalize: tuple[torch.Tensor, torch.Tensor] | None = None,
+    positive: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes ``x`` in groups of ``group_size`` flattened elements.
 
@@ -498,12 +508,15 @@ def quantize(
         normalize: ``(mean, rstd)``, fp32, one per row of ``x`` (rows of
             ``numel // mean.numel()`` elements): quantize ``(x.float() - mean) * rstd``, a
             LayerNorm's normalized input, without writing it.
+        positive: unsigned 8-bit codes only: code 0 exactly where ``x <= 0``, at least 1
+            elsewhere (a positive value below half a step, NaN): "code > 0" is then the
+            condition of ReLU's backward (``ops/relu.py``).
 
     Returns:
         ``(codes, scales)``: flat codes (``x.numel()`` bytes at 8 bits, packed below), and
         fp32 scales, one per group.
     """
-    _check_quantize_args(x, group_size, bits)
+    _check_quantize_args(x, group_size, bits, positive, signed, normalize)
     row_len = 1 if normalize is None else _check_normalize(normalize, x.numel())
     if stochastic and x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
@@ -515,7 +528,7 @@ def quantize(
     if use_triton is None:
         use_triton = use_triton_for(x)
     if not use_triton:
-        return quantize_ref(x, group_size, signed, stochastic, bits, normalize)
+        return quantize_ref(x, group_size, signed, stochastic, bits, normalize, positive)
     if not x.is_contiguous():  # the kernel reads a dense row-major block (no view needed)
         x = x.contiguous()
     n = x.numel()
@@ -532,7 +545,7 @@ def quantize(
     _QUANTIZE(
         ((ng + rows - 1) // rows,),  # not triton.cdiv: a constexpr function, ~8 us a call
         x, codes, scales, mean, rstd, n, ng, group_size, row_len, seed,
-        qmin, qmax, bits, per_byte(bits), stochastic, normalize is not None,
+        qmin, qmax, bits, per_byte(bits), stochastic, normalize is not None, positive,
         bits == 8 and group_size <= block, rows, block, max(1, block // per_byte(bits)),
     )  # fmt: skip
     return codes, scales
@@ -545,9 +558,10 @@ def quantize_ref(
     stochastic: bool = False,
     bits: int = 8,
     normalize: tuple[torch.Tensor, torch.Tensor] | None = None,
+    positive: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference of :func:`quantize`, same arguments and results."""
-    _check_quantize_args(x, group_size, bits)
+    _check_quantize_args(x, group_size, bits, positive, signed, normalize)
     xf = x.contiguous().view(-1).float()
     if normalize is not None:
         row_len = _check_normalize(normalize, xf.numel())
@@ -585,6 +599,8 @@ def quantize_ref(
     else:
         q = torch.round(y)
     q = q.clamp_(qmin, qmax)
+    if positive:
+        q = torch.where(xp <= 0, 0.0, q.clamp(min=1))
     if bits == 8:
         codes = q.to(code_dtype).view(-1)
         return (codes[:n] if pad else codes), scale

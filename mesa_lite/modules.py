@@ -471,7 +471,7 @@ class ReLU(MesaModule, nn.ReLU):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._mesa_active(x):
             return super().forward(x)
-        return relu(x, self.inplace)
+        return relu(x, self.inplace, module=self, spec=self.mesa_spec)
 
 
 class Hardtanh(MesaModule, nn.Hardtanh):

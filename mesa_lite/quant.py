@@ -259,10 +259,11 @@ def unnormalize(p: Packed, mean: torch.Tensor, rstd: torch.Tensor, dtype: torch.
 # ---- the kernels, and their form under torch.compile -----------------------------------------
 
 
-def _quantize(x, group_size: int, signed: bool, stochastic: bool, bits: int, normalize):
+def _quantize(x, group_size: int, signed: bool, stochastic: bool, bits: int, normalize,
+              positive: bool = False):  # fmt: skip
     return group_quant.quantize(
         x, group_size, signed=signed, stochastic=stochastic, use_triton=use_triton(x),
-        bits=bits, normalize=normalize,
+        bits=bits, normalize=normalize, positive=positive,
     )  # fmt: skip
 
 

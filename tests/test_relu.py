@@ -90,6 +90,106 @@ def test_conv_relu_conv_keeps_codes_and_bits():
         assert sqnr_db(p.grad, q.grad) >= 30, (name, sqnr_db(p.grad, q.grad))
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_relu_feeding_a_conv_keeps_the_conv_s_codes_only(inplace, layout):
+    """Once a training step has shown that a ReLU's output is kept by a convolution, the ReLU
+    keeps that output's 8-bit codes (registered for the convolution, which keeps nothing new)
+    and no bit: a bit per element less. Its backward takes the condition from the
+    codes, exactly torch's: the gradient at its input is ``grad_out`` where the output is
+    positive and 0 elsewhere, also for positive outputs far below one code step."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(inplace=inplace),
+                          nn.Conv2d(16, 8, 3, padding=1))  # fmt: skip
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), CNN)
+    x = torch.randn(2, 8, 16, 16)
+    if layout == "channels_last":
+        plain, wrapped = (m.to(memory_format=torch.channels_last) for m in (plain, wrapped))
+        x = x.to(memory_format=torch.channels_last)
+    x.requires_grad_()
+    kept_p, first, _, out_w = kept_by_both(plain, wrapped, x)
+    out_w.sum().backward()  # a training step: the offer was claimed, a backward has run
+    wrapped.zero_grad()
+    kept_p, second, out_p, out_w = kept_by_both(plain, wrapped, x)
+    assert wrapped[1]._mesa_relu_state == "share"
+    assert_equal(out_w, out_p)
+    mid = 2 * 16 * 16 * 16
+    assert first - second == mid // 8  # the bits are gone, the codes are the conv's
+    with torch.no_grad():  # outputs far below a code step next to large ones, in every group
+        wrapped[0].bias[:4] = 1e-6
+        plain[0].bias[:4] = 1e-6
+    if not inplace:  # (a full backward hook on an in-place module is refused by torch)
+        # the ReLU's input gradient is torch's condition on the upstream gradient, bit for bit
+        seen = {}
+        hooks = [
+            wrapped[0].register_forward_hook(lambda m, a, o: seen.update(pre=o.detach())),
+            wrapped[1].register_full_backward_hook(
+                lambda m, gi, go: seen.update(gin=gi[0], gout=go[0])
+            ),
+        ]  # fmt: skip
+        wrapped(x).square().sum().backward()
+        pre = seen["pre"]
+        assert ((pre > 0) & (pre < pre.abs().amax() / 1000)).any()
+        assert_equal(seen["gin"], torch.where(pre > 0, seen["gout"], 0))
+        for h in hooks:
+            h.remove()
+        wrapped.zero_grad()
+    wrapped(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
+        assert sqnr_db(p.grad, q.grad) >= 30, (name, sqnr_db(p.grad, q.grad))
+
+
+def test_shared_relu_codes_keep_torch_s_condition_on_nan_inf_and_zero():
+    """The codes' condition (code > 0) is ``not out <= 0``, torch's: NaN and +inf outputs pass
+    their gradient, zeros and -0.0 do not."""
+    from mesa_lite.ops.relu import relu
+
+    class Owner:  # stands for a ReLU module known to feed a convolution
+        _mesa_relu_state = "share"
+
+    spec = mesa_lite.Config().spec_for("x", "linear")
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-30, -1e-30,
+                      3.0, -2.0, 1e-8] * 13, requires_grad=True)  # fmt: skip
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    (got,) = torch.autograd.grad(relu(x * 1.0, module=Owner(), spec=spec), x, g)
+    (want,) = torch.autograd.grad(F.relu(x * 1.0), x, g)
+    assert_equal(got, want)
+
+
+def test_relu_keeps_its_bit_before_a_pool_and_at_four_bits():
+    """A ReLU whose output no convolution keeps (before max-pooling), or one of whose uses
+    does not, keeps its bit; at 4 bits nothing is shared (the condition needs 8-bit codes)."""
+    torch.manual_seed(0)
+    cfg4 = mesa_lite.Config(bits=4, layers=mesa_lite.DEFAULT_LAYERS | {"conv", "relu", "pool"})
+    for cfg, pool in ((CNN, True), (cfg4, False)):
+        layers = [nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True)]
+        layers += [nn.MaxPool2d(2)] if pool else [nn.Conv2d(8, 8, 3, padding=1)]
+        net = mesa_lite.wrap(nn.Sequential(*layers), cfg)
+        x = torch.randn(2, 3, 8, 8, requires_grad=True)
+        first, out = saved_activation_bytes(lambda net=net, x=x: net(x), list(net.parameters()))
+        out.sum().backward()
+        second, _ = saved_activation_bytes(lambda net=net, x=x: net(x), list(net.parameters()))
+        assert getattr(net[1], "_mesa_relu_state", None) != "share"
+        assert first == second
+
+    class Twice(nn.Module):  # one ReLU module used before a convolution and before a pool
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+            self.act, self.pool = nn.ReLU(), nn.MaxPool2d(2)
+
+        def forward(self, x):
+            return self.pool(self.act(self.conv2(self.act(self.conv1(x)))))
+
+    net = mesa_lite.wrap(Twice(), mesa_lite.Config(layers=mesa_lite.DEFAULT_LAYERS | {
+        "conv", "relu", "pool"}))  # fmt: skip
+    x = torch.randn(2, 3, 8, 8)
+    for _ in range(3):
+        net(x).sum().backward()
+    assert net.act._mesa_relu_state == "bits"
+
+
 def test_relu_is_opt_in_and_in_place_on_a_leaf_fails_as_in_torch():
     assert type(mesa_lite.wrap(nn.ReLU())) is nn.ReLU
     leaf = torch.randn(3, requires_grad=True)

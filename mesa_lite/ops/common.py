@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 
 import torch
 
@@ -141,11 +142,62 @@ def fresh(out: torch.Tensor) -> torch.Tensor:
     return out.detach() if out._base is not None else out
 
 
+# ReLU outputs offered to a consumer: id(storage owner) -> (owner ref, version, offset, shape,
+# stride, spec, Offer); dropped with the owner
+_OFFERS: dict[int, tuple] = {}
+# backward passes through a ReLU so far: the steps an offer's claim is judged across
+BACKWARDS = [0]
+
+
+class Offer:
+    """One offered output: whether a consumer kept it (``claimed``) and ``BACKWARDS`` when it
+    was offered."""
+
+    __slots__ = ("claimed", "epoch")
+
+    def __init__(self) -> None:
+        self.claimed = False
+        self.epoch = BACKWARDS[0]
+
+
+def _owner(t: torch.Tensor) -> torch.Tensor:
+    return t._base if t._base is not None else t
+
+
+def offer(out: torch.Tensor, spec: QuantSpec) -> Offer:
+    """Registers ``out``, a fresh ReLU output kept at ``spec``, for ``claim``."""
+    owner = _owner(out)
+    key = id(owner)
+    if key not in _OFFERS:
+        weakref.finalize(owner, _OFFERS.pop, key, None)
+    record = Offer()
+    _OFFERS[key] = (weakref.ref(owner), out._version, out.storage_offset(), tuple(out.shape),
+                    out.stride(), spec, record)  # fmt: skip
+    return record
+
+
+def claim(x: torch.Tensor, spec: QuantSpec) -> None:
+    """A consumer keeps ``x`` at ``spec``: when ``x`` is an offered ReLU output, unchanged,
+    and ``spec`` has its codes' width and group size, the offer is claimed (``ops/relu.py``)."""
+    if torch.compiler.is_compiling() or not _OFFERS:
+        return
+    entry = _OFFERS.get(id(_owner(x)))
+    if entry is None:
+        return
+    ref, version, offset, shape, stride, kept, record = entry
+    if (ref() is not _owner(x) or x._version != version or x.storage_offset() != offset
+            or tuple(x.shape) != shape or x.stride() != stride):  # fmt: skip
+        return
+    if not spec.exact and spec.bits == kept.bits and spec.group_size == kept.group_size:
+        record.claimed = True
+
+
 def keep(
     x: torch.Tensor, spec: QuantSpec, signed: bool = True, share_key=None, max_steps=None
 ) -> quant.Packed:
     """Reuses the codes a producer registered for ``x`` (or for ``share_key``, the tensor before
-    the autocast cast that made ``x``), else quantizes ``x``.
+    the autocast cast that made ``x``), else quantizes ``x`` (and tells a ReLU whose output
+    ``x`` is that it can keep codes for its consumer: ``claim``).
 
     ``max_steps``: reuse only codes whose recipe has at most this many steps (a producer that
     extends the recipe passes ``MAX_RECIPE_STEPS - 1``).
@@ -153,6 +205,7 @@ def keep(
     shared = quant.lookup_shared(x, spec, key=share_key)
     if shared is not None and (max_steps is None or len(shared.recipe) <= max_steps):
         return shared
+    claim(x if share_key is None else share_key, spec)
     return quant.quantize(x, spec, signed)
 
 

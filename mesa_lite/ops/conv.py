@@ -20,6 +20,7 @@ from mesa_lite.ops.common import (
     autocast_dtype,
     cast,
     channels_last_perm,
+    claim,
     first_order_only,
     fresh,
     inverse_perm,
@@ -61,8 +62,9 @@ class ConvFn(torch.autograd.Function):
             ctx.perm = channels_last_perm(x)
             if ctx.perm is None:
                 px = keep(x, spec, share_key=shares[0])
-            else:
-                px = quant.quantize(x.permute(ctx.perm), spec)
+            else:  # codes in memory order: a ReLU's shared ones, or quantized here
+                px = keep(x.permute(ctx.perm), spec)
+                claim(x, spec)
         quant.save(ctx, px, weight if need_x else None)
         ctx.cfg = cfg
         ctx.x_meta = (x.shape, x.stride(), x.dtype)

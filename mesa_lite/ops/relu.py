@@ -16,12 +16,28 @@ falls, which the gradient's layout and the tensor's size move; the bit follows t
 the forward. With ``debug_exact`` Hardtanh runs torch's own op, exact by definition. In place
 (``inplace=True``, as timm's ResNets build their ReLUs) the input is modified and returned, as
 torch's in-place ops do.
+
+A ReLU module whose every output is kept by a compressed consumer (a convolution, a Linear,
+a squeeze-excitation multiply: anything keeping it through ``ops.common.keep``) keeps no bit
+of its own: it keeps its output's 8-bit unsigned codes, registered for the consumer
+(``quant.share``, which then keeps nothing new), and its backward takes the condition from
+them. The codes are rounded as usual except that a positive (or NaN) output gets at least code
+1 and any other code 0 (``group_quant.quantize(positive=True)``), so that "code > 0" is
+torch's condition exactly (the consumer sees a positive value below half a step as one step).
+Which ReLUs qualify is learned in training: a module not yet decided offers each output
+(``offer``) and a consumer keeping that very tensor at the same width and group size claims
+it (``claim``). At each call the module looks at its previous offer: unclaimed (a max-pool,
+a flatten, another width), it keeps bits for good; claimed and a backward has run since (a
+whole training step: every offer of the step was looked at), it keeps codes from then on.
+Not under torch.compile (no registry there), in debug_exact, or below 8 bits.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mesa_lite import quant
+from mesa_lite.config import QuantSpec
 from mesa_lite.kernels.bits import (
     pack_bits,
     pack_bits_ref,
@@ -31,10 +47,12 @@ from mesa_lite.kernels.bits import (
     unpack_bits,
 )
 from mesa_lite.ops.common import (
+    BACKWARDS,
     channels_last_perm,
     first_order_only,
     inverse_perm,
     needs_grad,
+    offer,
     plain_under_functorch,
 )
 
@@ -66,13 +84,33 @@ def _bits(x: torch.Tensor, op: tuple) -> torch.Tensor:
 class ReLUFn(torch.autograd.Function):
     """``op`` (see ``_apply``) out of place, or in place with ``inplace``, keeping its
     condition packed 8 per byte, in the memory order of the output (channels-last too, so that
-    the gradient takes the layout torch's backward gives it)."""
+    the gradient takes the layout torch's backward gives it); with ``share`` (a QuantSpec,
+    ReLU only: ``(spec, box)``) the output's 8-bit codes instead, put in ``box`` with whether
+    they are in memory order, for the caller to register for the next convolution."""
 
     @staticmethod
-    def forward(ctx, x, inplace: bool, op: tuple = ("relu",)):
+    def forward(ctx, x, inplace: bool, op: tuple = ("relu",), share=None):
         compiling = torch.compiler.is_compiling()
         ctx.perm = channels_last_perm(x)
         ctx.op = op
+        ctx.shared = False
+        if share is not None and not compiling and op[0] == "relu":
+            out = _apply(x, op, inplace)
+            if inplace:
+                ctx.mark_dirty(x)
+            src = out if ctx.perm is None else out.permute(ctx.perm)
+            spec, box = share
+            # unsigned codes, 0 exactly where out <= 0 (group_quant's ``positive``)
+            codes, scales = quant._quantize(src, spec.group_size, False, spec.stochastic, 8,
+                                            None, positive=True)  # fmt: skip
+            p = quant.Packed(codes, scales, src.shape, src.dtype, spec, False)
+            # registered by the caller once apply has returned: marking an in-place output
+            # dirty moves its version on after this forward
+            box.append((p, ctx.perm is not None))
+            quant.save(ctx, p)
+            ctx.shared = True
+            ctx.shape = src.shape
+            return out
         if op[0] != "relu":  # the condition from the input, before an in-place op changes it
             bits = _bits(x, op)
             src = bits if ctx.perm is None else bits.permute(ctx.perm)
@@ -92,36 +130,49 @@ class ReLUFn(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
-        (packed,) = ctx.saved_tensors
+        if not torch.compiler.is_compiling():  # (a side effect the compiler would break on)
+            BACKWARDS[0] += 1
         perm, op = ctx.perm, ctx.op
         g = grad if perm is None else grad.permute(perm)
+        if ctx.shared:  # the condition from the codes: code > 0 exactly where out > 0 (or NaN)
+            (p,) = quant.load(ctx)
+            out = torch.where(p.codes.view(ctx.shape) != 0, g, 0)
+            return (out if perm is None else out.permute(inverse_perm(perm))), None, None, None
+        (packed,) = ctx.saved_tensors
         selects = op[0] in ("relu", "hardtanh")
         if selects and not torch.compiler.is_compiling() and g.is_contiguous():
             # the gradient in the bits' order: one pass, the result in the gradient's layout
             out = relu_backward(g, packed)
-            return (out if perm is None else out.permute(inverse_perm(perm))), None, None
+            return (out if perm is None else out.permute(inverse_perm(perm))), None, None, None
         passes = unpack_bits(packed, ctx.shape)
         if perm is not None:
             passes = passes.permute(inverse_perm(perm))
         if op[0] == "leaky":
             # torch's own backward on a stand-in input with the kept sign: its arithmetic
             sign = torch.where(passes, 1.0, -1.0).to(grad.dtype)
-            return torch.ops.aten.leaky_relu_backward(grad, sign, op[1], False), None, None
+            return torch.ops.aten.leaky_relu_backward(grad, sign, op[1], False), None, None, None
         if op[0] == "hardsigmoid":  # a stand-in inside (0) or outside (4) of (-3, 3)
             stand_in = torch.where(passes, 0.0, 4.0).to(grad.dtype)
-            return torch.ops.aten.hardsigmoid_backward(grad, stand_in), None, None
+            return torch.ops.aten.hardsigmoid_backward(grad, stand_in), None, None, None
         # where, not masked_fill: masked_fill's result is contiguous whatever the layout
-        return torch.where(passes, grad, 0), None, None
+        return torch.where(passes, grad, 0), None, None, None
 
 
 def relu(
-    x: torch.Tensor, inplace: bool = False, op: tuple = ("relu",), exact: bool = False
+    x: torch.Tensor,
+    inplace: bool = False,
+    op: tuple = ("relu",),
+    exact: bool = False,
+    module=None,
+    spec: QuantSpec | None = None,
 ) -> torch.Tensor:
     """``F.relu(x, inplace)`` (or the Hardtanh / LeakyReLU ``op``, see ``_apply``) keeping one
     bit per element when ``x`` needs grad (``exact``, debug_exact: Hardtanh runs torch's op,
     see the module's docstring); otherwise (no grad, non-floating input, inside
     torch.func transforms) the torch op itself. In-place LeakyReLU with a negative slope runs
-    torch's op, whose backward refuses it as torch does."""
+    torch's op, whose backward refuses it as torch does. ``module`` and ``spec`` (a ReLU
+    module and its setting): keep shared 8-bit codes once a convolution is known to keep the
+    module's output (see the module docstring)."""
     if (
         not needs_grad(x)
         or plain_under_functorch("ReLU")
@@ -134,4 +185,25 @@ def relu(
         # makes the copy in place again
         # makes the copy in place again
         return x.copy_(ReLUFn.apply(x, False, op))
-    return ReLUFn.apply(x, inplace, op)
+    shares = (
+        module is not None and op[0] == "relu" and spec is not None and spec.bits == 8
+        and not spec.exact and quant.compressible(x) and not torch.compiler.is_compiling()
+    )  # fmt: skip
+    state = getattr(module, "_mesa_relu_state", None) if shares else None
+    if shares and state is None:
+        last = getattr(module, "_mesa_last_offer", None)
+        if last is not None and not last.claimed:
+            state = "bits"  # an output no consumer kept: its bit is the cheaper copy
+        elif last is not None and last.epoch < BACKWARDS[0]:
+            state = "share"  # every output claimed, through a whole training step
+        module._mesa_relu_state = state
+    if state == "share":
+        box = []
+        out = ReLUFn.apply(x, inplace, op, (spec, box))
+        if box:
+            quant.share(out, box[0][0], memory_order=box[0][1])
+        return out
+    out = ReLUFn.apply(x, inplace, op)
+    if shares and state is None:
+        module._mesa_last_offer = offer(out, spec)
+    return out

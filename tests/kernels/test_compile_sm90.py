@@ -31,7 +31,7 @@ def compile_(fn, signature, constexprs):
 CASES = [(8, True, False, "*fp16", True, 0), (8, False, True, "*bf16", False, 1),
          (4, True, True, "*fp32", True, 2), (2, False, False, "*fp16", False, 3),
          (8, True, False, "*bf16", False, 4), (8, True, False, "*fp16", True, 5),
-         (4, False, True, "*bf16", True, 6)]
+         (4, False, True, "*bf16", True, 6), (8, False, False, "*fp16", True, 3)]
 for bits, signed, stochastic, x_dtype, one_pass, epi in CASES:
     per = gq.per_byte(bits)
     qmin, qmax = gq.qrange(signed, bits)
@@ -41,7 +41,8 @@ for bits, signed, stochastic, x_dtype, one_pass, epi in CASES:
               "rstd_ptr": "*fp32", "n": "i32", "n_groups": "i32", "group_size": "i32",
               "row_len": "i32", "seed": "i32"},
              {"QMIN": qmin, "QMAX": qmax, "BITS": bits, "PER_BYTE": per, "STOCHASTIC": stochastic,
-              "NORM": epi % 2 == 0, "ONE_PASS": one_pass and bits == 8, "ROWS": 32, "BLOCK": 128,
+              "NORM": epi % 2 == 0, "POSITIVE": bits == 8 and not signed and epi % 2 == 1,
+              "ONE_PASS": one_pass and bits == 8, "ROWS": 32, "BLOCK": 128,
               "BLOCK_B": 128 // per})
     compile_(gq._dequantize_kernel,
              {"codes_ptr": codes, "scales_ptr": "*fp32",
@@ -60,4 +61,4 @@ def test_kernels_compile_for_sm90():
         [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 7, res.stdout
+    assert res.stdout.count("compiled") == 8, res.stdout

@@ -169,6 +169,34 @@ def test_special_values(use_triton, dtype, bits, device, triton_device):
     assert out[9] == pytest.approx(-big, rel=1e-2)
 
 
+@pytest.mark.parametrize("group_size", [7, 128, 2048])  # one pass, one pass, two passes
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_positive_codes_are_zero_exactly_where_x_is_not_positive(dtype, group_size, triton_device):
+    """``positive`` (ReLU's shared codes): the kernel equals the reference bit for bit; code 0
+    exactly where ``x <= 0`` (negative, zero, -0.0, -inf), at least 1 for a positive value
+    below half a step, +inf and NaN; elsewhere the unsigned codes unchanged."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(3000, generator=g) * 10
+    tiny = torch.tensor([1e-6, -1e-6, 0.0, -0.0, float("inf"), -float("inf"), float("nan")])
+    x = torch.cat([base[:1000], tiny.repeat(50), base[1000:]]).relu_()
+    x[::11] = -x[::11]  # negatives too (a ReLU's output has none, the codes' rule holds anyway)
+    x[5:3000:97] = 1e-6
+    x = x.to(dtype)
+    codes, scales = gq.quantize(x.to(triton_device), group_size, signed=False, use_triton=True,
+                                positive=True)  # fmt: skip
+    rcodes, rscales = gq.quantize_ref(x, group_size, signed=False, positive=True)
+    assert_equal(codes.cpu(), rcodes, "codes")
+    assert_equal(scales.cpu(), rscales, "scales")
+    assert torch.equal(rcodes != 0, ~(x <= 0))
+    plain, _ = gq.quantize_ref(x, group_size, signed=False)
+    moved = rcodes != plain
+    assert torch.equal(moved, (plain == 0) & ~(x <= 0))  # only those rounded to 0 move, to 1
+    with pytest.raises(ValueError, match="positive codes"):
+        gq.quantize(x, 128, signed=True, positive=True)
+    with pytest.raises(ValueError, match="positive codes"):
+        gq.quantize(x, 128, signed=False, bits=4, positive=True)
+
+
 def test_argument_errors():
     x = torch.randn(10)
     with pytest.raises(ValueError, match="group_size"):

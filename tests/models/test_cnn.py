@@ -1,6 +1,7 @@
 """Whole convolutional models with the opt-in kinds (conv, batchnorm, relu, pool) on: timm's
 and torchvision's ResNet-18 at 64x64, batch 4, fp32 on the CPU. Measured (2026-12-02, torch
-2.14): both keep 24.7% of the plain model's bytes for backward (45% before the max-pool
+2.14): both keep 24.7% of the plain model's bytes for backward in a first step, 22.3% in the
+next ones, where the ReLUs keep the convolutions' codes (45% before the max-pool
 kept a byte per output), weight gradients at 38.5 dB or better, the rest exact."""
 
 import copy
@@ -33,9 +34,15 @@ def test_resnet18_keeps_under_a_third_with_gradients_within_the_floor(source):
     for cls in (mesa_lite.Conv2d, mesa_lite.BatchNorm2d, mesa_lite.ReLU):
         assert any(isinstance(m, cls) for m in converted), cls
     x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    kept_p, first, out_p, out_w = kept_by_both(plain, wrapped, x)
+    assert first <= 0.3 * kept_p, (first, kept_p)
+    F.cross_entropy(out_p, torch.arange(4)).backward()
+    F.cross_entropy(out_w, torch.arange(4)).backward()
+    plain.zero_grad(), wrapped.zero_grad()
+    # after a training step the ReLUs before a convolution keep its codes, no bit
     kept_p, kept_w, out_p, out_w = kept_by_both(plain, wrapped, x)
     assert_equal(out_w, out_p, "logits")
-    assert kept_w <= 0.3 * kept_p, (kept_w, kept_p)
+    assert kept_w <= 0.92 * first and kept_w <= 0.24 * kept_p, (kept_w, first, kept_p)
     y = torch.arange(4)
     F.cross_entropy(out_p, y).backward()
     F.cross_entropy(out_w, y).backward()
