@@ -345,3 +345,33 @@ def test_measure_leaf_blocks_eval_mode_and_odd_group_size():
     assert set(m.costs) == {"plain", "int8", "ckpt8", "ckpt"}
     plan = choose(m, m.static + m.outside + sum(c.kept for c in m.costs["plain"]))
     mesa_lite.wrap(copy.deepcopy(net), plan.config)  # the plan's patterns all match
+
+
+@pytest.mark.parametrize("name", ["test_convnext", "resnet18", "swin"])
+def test_measure_and_plan_other_timm_families(name):
+    """Swin, ConvNeXt and ResNet (small timm models, CPU, no drop path): the repeated blocks are
+    found inside the stages, every policy is measured, and a plan at a budget between the
+    leanest and the plainest wraps the model with the same forward output as plain."""
+    timm = pytest.importorskip("timm")
+    from mesa_lite.planner import measure
+
+    torch.manual_seed(0)
+    if name == "swin":
+        model = timm.models.swin_transformer.SwinTransformer(
+            img_size=32, patch_size=4, window_size=4, embed_dim=16, depths=(2, 2),
+            num_heads=(2, 2), num_classes=5, drop_path_rate=0.0)  # fmt: skip
+    else:
+        model = timm.create_model(name, pretrained=False, num_classes=5)
+    model.train()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    base = mesa_lite.Config(layers=mesa_lite.DEFAULT_LAYERS | mesa_lite.OPT_IN_KINDS)
+    m = measure(model, lambda mdl: mdl(x).square().mean(), timed=1, base=base)
+    assert len(m.blocks) >= 2 and set(m.costs) == set(POLICIES)
+    plain = sum(c.kept for c in m.costs["plain"])
+    assert all(sum(c.kept for c in m.costs[p]) < plain for p in POLICIES if p != "plain")
+    budget = m.static + m.outside + (plain + sum(c.kept for c in m.costs["int8"])) // 2
+    plan = choose(m, budget)
+    assert plan.peak <= budget
+    wrapped = mesa_lite.wrap(copy.deepcopy(model), plan.config)
+    with torch.no_grad():
+        assert torch.equal(wrapped(x), model(x))
