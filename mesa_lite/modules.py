@@ -78,6 +78,8 @@ class MesaModule:
         """
         orig = base_type(module)
         target = converted_class(cls, orig)
+        for key in _STATE:  # what an earlier wrap learned (ops/relu.py) starts over
+            module.__dict__.pop(key, None)
         module.__dict__["_mesa_orig_cls"] = orig
         _set_class(module, target)
         module.mesa_spec = spec
@@ -88,12 +90,18 @@ class MesaModule:
         removed since are kept as they are)."""
         orig = self.__dict__.pop("_mesa_orig_cls", None)
         self.__dict__.pop("mesa_spec", None)
+        for key in _STATE:
+            self.__dict__.pop(key, None)
         if orig is not None:
             _set_class(self, orig)
         else:  # built as a mesa_lite module: stays one, exact
             self.mesa_spec = None
         return self
 
+
+# attributes a converted module learns while training (ops/relu.py), dropped by to_original and
+# by a new from_module
+_STATE = ("_mesa_relu_state", "_mesa_last_offer", "_mesa_unclaimed")
 
 _GLOBAL_HOOKS = tuple(
     d

@@ -190,6 +190,88 @@ def test_relu_keeps_its_bit_before_a_pool_and_at_four_bits():
     assert net.act._mesa_relu_state == "bits"
 
 
+def _step(net, x):
+    kept, out = saved_activation_bytes(lambda: net(x), list(net.parameters()))
+    out.float().square().sum().backward()
+    return kept
+
+
+def test_relu_sharing_under_activation_checkpointing():
+    """torch.utils.checkpoint (non-reentrant) recomputes in backward what its forward kept:
+    the ReLU decides nothing during a recompute, so the first steps, where it learns, and
+    the later ones, where it shares, pass torch's check of the recomputed tensors; gradients
+    within the floor of plain's."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            conv = lambda i, o: nn.Conv2d(i, o, 3, padding=1)  # noqa: E731
+            self.a = nn.Sequential(conv(3, 8), nn.ReLU(), conv(8, 8))
+            self.b = nn.Sequential(conv(8, 8), nn.ReLU(), conv(8, 8))
+
+        def forward(self, x):
+            y = checkpoint(self.a, x, use_reentrant=False)
+            return checkpoint(self.b, y, use_reentrant=False)
+
+    torch.manual_seed(0)
+    plain = Net()
+    net = mesa_lite.wrap(copy.deepcopy(plain), CNN)
+    x = torch.randn(2, 3, 8, 8)
+    for _ in range(3):
+        net.zero_grad(), plain.zero_grad()
+        net(x).square().sum().backward()
+        plain(x).square().sum().backward()
+        for (name, p), q in zip(plain.named_parameters(), net.parameters(), strict=True):
+            assert sqnr_db(p.grad, q.grad) >= 30, (name, sqnr_db(p.grad, q.grad))
+    assert net.a[1]._mesa_relu_state == "share"
+
+
+@pytest.mark.parametrize("tail", ["linear", "se"])
+def test_relu_keeps_its_bit_where_the_consumer_cannot_read_the_codes(tail):
+    """A channels-last ReLU output registers codes in memory order; a consumer reading in
+    logical order (a squeeze-excitation multiply, a Linear on the non-contiguous tensor)
+    could not reuse them, so it does not claim the output: the ReLU keeps its bit and the
+    step keeps no more than before sharing existed."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    last = timm.layers.SEModule(16) if tail == "se" else nn.Linear(16, 4)
+    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(True), last)
+    cfg = mesa_lite.Config(layers=mesa_lite.DEFAULT_LAYERS | mesa_lite.OPT_IN_KINDS)
+    net = mesa_lite.wrap(net.to(memory_format=torch.channels_last), cfg)
+    x = torch.randn(2, 3, 16, 16).to(memory_format=torch.channels_last)
+    if tail == "linear":
+        x = x[..., :16]
+    kept = [_step(net, x) for _ in range(3)]
+    assert net[2]._mesa_relu_state == "bits"
+    # (the squeeze-excitation's own ReLU feeds its second 1x1 convolution: it shares)
+    assert kept[2] == kept[1] <= kept[0], kept
+
+
+def test_relu_goes_back_to_its_bit_when_its_consumer_stops_keeping():
+    """The decision is made anew each step: once the convolution after it is frozen (it keeps
+    no input), the ReLU keeps its bit again, what a model frozen from the start keeps; unwrap
+    drops what it learned, and a new wrap starts over."""
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),  # noqa: E731
+                                 nn.Conv2d(8, 8, 3, padding=1))  # fmt: skip
+    net, frozen = mesa_lite.wrap(make(), CNN), mesa_lite.wrap(make(), CNN)
+    frozen[2].requires_grad_(False)
+    x = torch.randn(2, 3, 8, 8)
+    for _ in range(2):
+        _step(net, x)
+    assert net[1]._mesa_relu_state == "share"
+    net[2].requires_grad_(False)
+    for _ in range(2):
+        _step(net, x)
+    assert net[1]._mesa_relu_state == "bits"
+    assert _step(net, x) == _step(frozen, x)
+    mesa_lite.unwrap(net)
+    assert not any(k.startswith("_mesa") for k in vars(net[1]))
+    mesa_lite.wrap(net, CNN)
+    assert getattr(net[1], "_mesa_relu_state", None) is None
+
+
 def test_relu_is_opt_in_and_in_place_on_a_leaf_fails_as_in_torch():
     assert type(mesa_lite.wrap(nn.ReLU())) is nn.ReLU
     leaf = torch.randn(3, requires_grad=True)

@@ -176,9 +176,12 @@ def offer(out: torch.Tensor, spec: QuantSpec) -> Offer:
     return record
 
 
-def claim(x: torch.Tensor, spec: QuantSpec) -> None:
+def claim(x: torch.Tensor, spec: QuantSpec, memory_order: bool = False) -> None:
     """A consumer keeps ``x`` at ``spec``: when ``x`` is an offered ReLU output, unchanged,
-    and ``spec`` has its codes' width and group size, the offer is claimed (``ops/relu.py``)."""
+    ``spec`` has its codes' width and group size, and the consumer would find the codes the
+    ReLU registers (in memory order for a channels-last output: a consumer reading them in
+    logical order, ``memory_order`` False, finds those only where ``x`` is contiguous), the
+    offer is claimed (``ops/relu.py``)."""
     if torch.compiler.is_compiling() or not _OFFERS:
         return
     entry = _OFFERS.get(id(_owner(x)))
@@ -188,7 +191,9 @@ def claim(x: torch.Tensor, spec: QuantSpec) -> None:
     if (ref() is not _owner(x) or x._version != version or x.storage_offset() != offset
             or tuple(x.shape) != shape or x.stride() != stride):  # fmt: skip
         return
-    if not spec.exact and spec.bits == kept.bits and spec.group_size == kept.group_size:
+    if spec.exact or spec.bits != kept.bits or spec.group_size != kept.group_size:
+        return
+    if memory_order == (channels_last_perm(x) is not None) or x.is_contiguous():
         record.claimed = True
 
 
@@ -203,9 +208,9 @@ def keep(
     extends the recipe passes ``MAX_RECIPE_STEPS - 1``).
     """
     shared = quant.lookup_shared(x, spec, key=share_key)
+    claim(x if share_key is None else share_key, spec)  # a ReLU's codes in use count too
     if shared is not None and (max_steps is None or len(shared.recipe) <= max_steps):
         return shared
-    claim(x if share_key is None else share_key, spec)
     return quant.quantize(x, spec, signed)
 
 

@@ -64,7 +64,7 @@ class ConvFn(torch.autograd.Function):
                 px = keep(x, spec, share_key=shares[0])
             else:  # codes in memory order: a ReLU's shared ones, or quantized here
                 px = keep(x.permute(ctx.perm), spec)
-                claim(x, spec)
+                claim(x, spec, memory_order=True)
         quant.save(ctx, px, weight if need_x else None)
         ctx.cfg = cfg
         ctx.x_meta = (x.shape, x.stride(), x.dtype)

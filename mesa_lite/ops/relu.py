@@ -24,12 +24,14 @@ of its own: it keeps its output's 8-bit unsigned codes, registered for the consu
 them. The codes are rounded as usual except that a positive (or NaN) output gets at least code
 1 and any other code 0 (``group_quant.quantize(positive=True)``), so that "code > 0" is
 torch's condition exactly (the consumer sees a positive value below half a step as one step).
-Which ReLUs qualify is learned in training: a module not yet decided offers each output
-(``offer``) and a consumer keeping that very tensor at the same width and group size claims
-it (``claim``). At each call the module looks at its previous offer: unclaimed (a max-pool,
-a flatten, another width), it keeps bits for good; claimed and a backward has run since (a
-whole training step: every offer of the step was looked at), it keeps codes from then on.
-Not under torch.compile (no registry there), in debug_exact, or below 8 bits.
+Which ReLUs qualify is learned in training, step by step: the module offers each output
+(``offer``) and a consumer keeping that very tensor at the same width and group size, in an
+order it can read the codes in, claims it (``claim``; reusing them counts). At each call the
+module looks at its previous offer; at its first call after a backward (a training step has
+ended, every offer of it looked at) it decides for the step to come: codes if every offer was
+claimed, its bit otherwise (a max-pool, a flatten, a frozen convolution, another width). A
+recompute in backward (activation checkpointing) changes nothing, so it keeps what its
+forward kept. Not under torch.compile (no registry there), in debug_exact, or below 8 bits.
 """
 
 from __future__ import annotations
@@ -183,27 +185,32 @@ def relu(
     if inplace and torch.compiler.is_compiling():
         # Dynamo breaks the graph at a Function that marks its input dirty; the compiler
         # makes the copy in place again
-        # makes the copy in place again
         return x.copy_(ReLUFn.apply(x, False, op))
     shares = (
         module is not None and op[0] == "relu" and spec is not None and spec.bits == 8
         and not spec.exact and quant.compressible(x) and not torch.compiler.is_compiling()
     )  # fmt: skip
     state = getattr(module, "_mesa_relu_state", None) if shares else None
-    if shares and state is None:
+    # a recompute in backward (activation checkpointing) keeps what its forward kept: the
+    # state changes, and offers are made, only in forwards outside a backward
+    learn = shares and torch._C._current_graph_task_id() == -1
+    if learn:
         last = getattr(module, "_mesa_last_offer", None)
         if last is not None and not last.claimed:
-            state = "bits"  # an output no consumer kept: its bit is the cheaper copy
-        elif last is not None and last.epoch < BACKWARDS[0]:
-            state = "share"  # every output claimed, through a whole training step
-        module._mesa_relu_state = state
+            module._mesa_unclaimed = True  # an output no consumer kept (or could reuse)
+        if last is not None and last.epoch < BACKWARDS[0]:
+            # a training step ended since the last offer, every offer of it looked at:
+            # codes if each was claimed, the bit otherwise, until the next step says more
+            state = "bits" if getattr(module, "_mesa_unclaimed", False) else "share"
+            module._mesa_relu_state = state
+            module._mesa_unclaimed = False
     if state == "share":
         box = []
         out = ReLUFn.apply(x, inplace, op, (spec, box))
         if box:
             quant.share(out, box[0][0], memory_order=box[0][1])
-        return out
-    out = ReLUFn.apply(x, inplace, op)
-    if shares and state is None:
+    else:
+        out = ReLUFn.apply(x, inplace, op)
+    if learn:
         module._mesa_last_offer = offer(out, spec)
     return out
