@@ -28,9 +28,11 @@ allocated are taken as offset by the temporaries of the loss and head freed by t
 H200 this model predicted DeiT-S and DeiT-B plans' measured peaks within 0.5%. On other
 devices ``temporaries`` is 0 and a checkpointed block's transient its plain bytes (its
 recompute, an upper bound). The predicted step time is ``other_seconds + sum(seconds)``. The
-choice minimizes the time under the budget exactly, by a dynamic program over the blocks in
-order on the bytes kept so far, counted in units of at most 1/4096 of the budget, each
-block's bytes rounded up (so the predicted peak never exceeds the budget); one Config holds
+choice minimizes the time under the budget by a dynamic program over the blocks in order,
+on time counted in units of 1/16384 of the slowest choice's (``_unit``) and bytes counted
+exactly: the predicted peak never exceeds the budget, a plan is found whenever one fits
+(so a larger budget never loses one), and it is the fastest up to that rounding of time
+(less than one unit per block). One Config holds
 one checkpoint width, so plans with ``ckpt8``, ``ckpt4`` and ``ckpt`` are solved apart and
 the fastest is kept.
 """
@@ -41,6 +43,7 @@ import copy
 import dataclasses
 import gc
 import math
+import re
 import statistics
 import time
 import warnings
@@ -53,7 +56,7 @@ from mesa_lite.config import Config
 POLICIES: tuple[str, ...] = ("plain", "int8", "int4", "ckpt8", "ckpt4", "ckpt")
 # checkpointing policies -> Config.checkpoint_bits
 _WIDTHS = {"ckpt8": 8, "ckpt4": 4, "ckpt": "exact"}
-_UNITS = 4096  # memory resolution of the choice: the budget in at most this many units
+_UNITS = 16384  # time resolution of the choice: the slowest choice's time in this many units
 
 
 class PlanError(ValueError):
@@ -70,8 +73,10 @@ class PolicyCost:
     transient: int = 0
 
     def __post_init__(self) -> None:
-        if self.kept < 0 or self.transient < 0 or not self.seconds >= 0:
-            raise ValueError(f"PolicyCost needs non-negative bytes and seconds, got {self}")
+        if self.kept < 0 or self.transient < 0 or not 0 <= self.seconds < math.inf:
+            raise ValueError(
+                f"PolicyCost needs non-negative bytes and finite non-negative seconds, got {self}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +109,9 @@ class Measurements:
     def __post_init__(self) -> None:
         if not self.blocks:
             raise ValueError("Measurements needs at least one block")
+        twice = sorted({n for n in self.blocks if self.blocks.count(n) > 1})
+        if twice:
+            raise ValueError(f"Measurements: blocks named more than once: {twice}")
         unknown = sorted(set(self.costs) - set(POLICIES))
         if unknown:
             raise ValueError(f"unknown policies {unknown}; known: {list(POLICIES)}")
@@ -174,7 +182,9 @@ class Plan:
 
 
 def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB" if abs(n) >= 2**20 else f"{n:,} bytes"
 
 
 def _fixed(m: Measurements) -> int:
@@ -195,41 +205,49 @@ def _peak_terms(m: Measurements, choice: Sequence[str]) -> dict[str, int]:
             "kept": best[0], "transient": best[1]}  # fmt: skip
 
 
+def _unit(m: Measurements) -> float:
+    """The seconds of one unit of ``_solve``'s time axis: 1/16384 of the slowest choice's
+    block time (the slowest policy on every block)."""
+    slowest = sum(max(m.costs[p][i].seconds for p in m.costs) for i in range(len(m.blocks)))
+    return slowest / _UNITS if slowest > 0 else 1.0
+
+
 def _solve(m: Measurements, budget: int, allowed: tuple[str, ...]):
     """The fastest choice among ``allowed`` whose training peak (``_peak_terms``) is at most
-    ``budget``: (seconds, policies) or None. A dynamic program over the blocks in order, on
-    the bytes kept so far in units of ``budget / 4096`` (each block's bytes rounded up, so a
-    choice it accepts fits): ``table[u]`` is the least time of the blocks so far with at most
-    ``u`` units, and a policy is allowed at block ``i`` only where those units and its
-    transient fit."""
-    unit = max(1, math.ceil(budget / _UNITS))
+    ``budget``: (seconds, policies) or None. A dynamic program over the blocks in order with
+    time in units of ``_unit(m)`` (each block's time rounded to the nearest unit) and bytes
+    exact: ``table[t]`` is the fewest bytes the blocks so far keep in ``t`` units of time,
+    and a policy is allowed at block ``i`` only where those bytes, its own and its transient
+    fit. So a choice is found whenever one fits (exactly, and at every larger budget), and it
+    is the fastest up to the rounding of time (less than one unit per block)."""
     room = budget - _fixed(m)
     if room < 0:
         return None
-    slots = room // unit
+    unit = _unit(m)
+    n = len(m.blocks)
+    steps = [[round(m.costs[p][i].seconds / unit) for p in allowed] for i in range(n)]
+    size = sum(max(s) for s in steps) + 1
     inf = math.inf
-    table = torch.zeros(slots + 1, dtype=torch.float64)
+    table = torch.full((size,), inf, dtype=torch.float64)
+    table[0] = 0.0
     back = []
-    for i in range(len(m.blocks)):
-        cand = torch.full((len(allowed), slots + 1), inf, dtype=torch.float64)
+    for i in range(n):
+        cand = torch.full((len(allowed), size), inf, dtype=torch.float64)
         for k, p in enumerate(allowed):
-            c = m.costs[p][i]
-            need = math.ceil(c.kept / unit)
-            top = min(slots, (room - c.transient) // unit)
-            if top >= need:
-                cand[k, need : top + 1] = table[: top + 1 - need] + c.seconds
-        best, arg = cand.min(0)
-        table, carried = torch.cummin(best, 0)  # at most u units: the best of fewer carries
-        back.append((arg, carried))
-    if math.isinf(table[slots].item()):
+            c, t = m.costs[p][i], steps[i][k]
+            kept = table[: size - t] + c.kept
+            kept[kept + c.transient > room] = inf
+            cand[k, t:] = kept
+        table, arg = cand.min(0)
+        back.append(arg)
+    finite = torch.isfinite(table).nonzero()
+    if len(finite) == 0:
         return None
-    choice, u = [], slots
-    for i in range(len(m.blocks) - 1, -1, -1):
-        arg, carried = back[i]
-        u = int(carried[u])
-        p = allowed[int(arg[u])]
-        choice.append(p)
-        u -= math.ceil(m.costs[p][i].kept / unit)
+    t, choice = int(finite[0]), []
+    for i in range(n - 1, -1, -1):
+        k = int(back[i][t])
+        choice.append(allowed[k])
+        t -= steps[i][k]
     choice.reverse()
     return sum(m.costs[p][i].seconds for i, p in enumerate(choice)), tuple(choice)
 
@@ -269,6 +287,12 @@ def smallest_peak(m: Measurements) -> int:
     return max(sum(_peak_terms(m, choice).values()), m.optimizer_peak)
 
 
+def _escape(name: str) -> str:
+    """``name`` as an fnmatch pattern that matches it alone (Config's overrides and
+    checkpoint names are globs: a block named ``layers[0]`` would otherwise be a class)."""
+    return re.sub(r"([*?[])", r"[\1]", name)
+
+
 def to_config(
     blocks: Sequence[str],
     policies: Sequence[str],
@@ -294,11 +318,13 @@ def to_config(
             raise ValueError(f"unknown policy {p!r}; known: {list(POLICIES)}")
         fields = {"plain": {"enabled": False}, "int4": {"bits": 4}, "int8": {"bits": 8}}.get(p)
         if fields is None:
-            ckpt.append(name)
+            ckpt.append(_escape(name))
             widths.add(_WIDTHS[p])
             continue
-        for key in (name,) if name in leaf else (name, f"{name}.*"):
-            overrides[key] = {**overrides.get(key, {}), **fields}
+        pattern = _escape(name)
+        for key in (pattern,) if name in leaf else (pattern, f"{pattern}.*"):
+            # popped and put last: a later override of the base must not win over the plan
+            overrides[key] = {**overrides.pop(key, {}), **fields}
     if len(widths) > 1:
         raise ValueError(
             "one Config checkpoints at one width: only one of ckpt8, ckpt4 and ckpt in a plan"
@@ -314,24 +340,65 @@ def to_config(
     )
 
 
-def choose(m: Measurements, budget: int, base: Config | None = None) -> Plan:
-    """The fastest per-block policies whose predicted peak is at most ``budget`` bytes.
+def plain_peak(m: Measurements) -> int:
+    """The predicted peak with every block ``plain`` (bytes): what a fractional budget is a
+    fraction of."""
+    if "plain" not in m.costs:
+        raise ValueError("plain_peak: the measurements have no 'plain' policy")
+    terms = _peak_terms(m, ["plain"] * len(m.blocks))
+    return max(sum(terms.values()), m.optimizer_peak)
+
+
+def _budget_bytes(m: Measurements, budget) -> int:
+    """``budget`` in bytes: an int is bytes; a float in (0, 1] a fraction of ``plain_peak``;
+    a larger float with no fractional part bytes."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(
+            f"budget must be bytes (an int) or a fraction of the plain peak (a float in "
+            f"(0, 1]), got {budget!r}"
+        )
+    if isinstance(budget, float):
+        if not math.isfinite(budget) or budget <= 0:
+            raise ValueError(f"budget must be a positive number, got {budget!r}")
+        if budget <= 1:
+            return int(budget * plain_peak(m))
+        if budget != int(budget):
+            raise ValueError(
+                f"budget {budget!r}: a float above 1 must be whole bytes (fractions of the "
+                "plain peak are at most 1.0)"
+            )
+        return int(budget)
+    if budget <= 0:
+        raise ValueError(f"budget must be positive bytes, got {budget}")
+    return budget
+
+
+def choose(m: Measurements, budget: int | float, base: Config | None = None) -> Plan:
+    """The fastest per-block policies whose predicted peak is at most ``budget``.
+
+    Args:
+        m: the measurements (``measure``).
+        budget: bytes (an int), or a fraction of the all-plain predicted peak (a float in
+            (0, 1], ``plain_peak(m)``; needs ``plain`` measured).
+        base: the Config the plan's overrides and checkpointing are written on.
 
     Raises:
         PlanError: when no choice fits; the message names the terms (static memory alone
-            above the budget, or the smallest budget a plan fits).
+            above the budget, the optimizer step's peak, or the smallest budget a plan fits).
     """
-    if budget < max(_fixed(m), m.optimizer_peak):
+    budget = _budget_bytes(m, budget)
+    if budget < _fixed(m):
         raise PlanError(
             f"budget {_size(budget)} is below the memory no activation policy changes: "
             f"{_size(_fixed(m))} (parameters, gradients and optimizer state {_size(m.static)}, "
             f"activations outside the blocks {_size(m.outside)}, backward's net temporaries "
             f"{_size(m.temporaries)})"
-            + (
-                f", or the optimizer step's peak {_size(m.optimizer_peak)}"
-                if m.optimizer_peak
-                else ""
-            )
+        )
+    if budget < m.optimizer_peak:
+        raise PlanError(
+            f"budget {_size(budget)} is below the optimizer step's peak "
+            f"{_size(m.optimizer_peak)}, which no activation policy changes (parameters, "
+            f"gradients and optimizer state {_size(m.static)}, and the step's temporaries)"
         )
     found = _best(m, budget)
     if found is None:
@@ -506,6 +573,9 @@ def measure(
     if blocks is None:
         blocks = tuple(n for n, _ in repeated_blocks(model))
     blocks = tuple(blocks)
+    twice = sorted({n for n in blocks if blocks.count(n) > 1})
+    if twice:
+        raise ValueError(f"measure: blocks named more than once: {twice}")
     if not blocks:
         raise ValueError(f"measure: found no repeated blocks in {type(model).__name__}; "
                          "name them with blocks=[...]")  # fmt: skip
@@ -530,7 +600,10 @@ def measure(
     if optimizer_fn is not None and warmup < 1:
         raise ValueError("measure: warmup must be at least 1 with an optimizer (its state is "
                          "allocated by the first step)")  # fmt: skip
-    device = next(model.parameters()).device
+    first = next(model.parameters(), None)
+    if first is None:
+        raise ValueError(f"measure: {type(model).__name__} has no parameters to train")
+    device = first.device
     # the model given stays allocated while its copies run; the planned run will not have it
     exclude = 0
     if device.type == "cuda":

@@ -20,7 +20,9 @@ from mesa_lite.planner import (
     Measurements,
     PlanError,
     PolicyCost,
+    _unit,
     choose,
+    plain_peak,
     smallest_budget,
     smallest_peak,
     to_config,
@@ -83,13 +85,11 @@ def test_choice_is_the_fastest_that_fits(budget_mib):
     budget = budget_mib * MIB
     plan = choose(m, budget)
     assert plan.peak <= budget
-    # the choice counts memory in units of budget / 4096 and rounds each block up: it is no
-    # faster than the exact optimum at the budget, and no slower than the exact optimum at
-    # the budget less one unit per block
-    unit = -(-budget // 4096)
-    lo, hi = _brute_force(m, budget), _brute_force(m, budget - len(m.blocks) * unit)
+    # the choice counts bytes exactly and time in units of _unit(m), each block's rounded to
+    # the nearest: it is no faster than the exact optimum, and slower by under a unit a block
+    best = _brute_force(m, budget)
     t = plan.seconds - m.other_seconds
-    assert lo[0] - 1e-12 <= t <= hi[0] + 1e-12, (plan.policies, lo, hi)
+    assert best[0] - 1e-12 <= t <= best[0] + len(m.blocks) * _unit(m), (plan.policies, best)
     cs = [m.costs[p][i] for i, p in enumerate(plan.policies)]
     assert plan.saved == sum(c.kept for c in cs)
     assert plan.peak == _training_peak(m, plan.policies)
@@ -115,9 +115,8 @@ def test_budget_below_every_choice_says_so():
     exact = min(_training_peak(m, ch) for ch in itertools.product(POLICIES, repeat=5)
                 if len({"ckpt8", "ckpt4", "ckpt"} & set(ch)) <= 1)  # fmt: skip
     floor, peak = smallest_budget(m), smallest_peak(m)
-    # each block's bytes are rounded up to units of the budget / 4096, the search stops
-    # within 1/10,000 of the budget
-    slack = len(m.blocks) * (-(-floor // 4096)) + floor // 10_000 + 1
+    # bytes are counted exactly; the search stops within 1/10,000 of the budget
+    slack = floor // 10_000 + 1
     assert exact <= peak <= floor <= exact + slack
     assert choose(m, floor).peak == peak
     with pytest.raises(PlanError, match=f"smallest budget a plan fits is {floor / 2**20:.1f} MiB"):
@@ -133,8 +132,7 @@ def test_the_peak_follows_the_backward_order():
     m = Measurements(blocks=("a", "b"), costs={"plain": (plain, plain), "ckpt8": (big, big)},
                      static=0)  # fmt: skip
     # first block checkpointed: max(10 + 100, 10 + 60) = 110; last: max(60, 60 + 10 + 100)
-    # (the budget's units round each block's bytes up: a few KiB more than 110 MiB)
-    assert choose(m, 110 * MIB + 2**16).policies == ("ckpt8", "plain")
+    assert choose(m, 110 * MIB).policies == ("ckpt8", "plain")  # bytes counted exactly
     assert choose(m, 120 * MIB).policies == ("plain", "plain")
     with pytest.raises(PlanError):
         choose(m, 109 * MIB)
@@ -161,6 +159,110 @@ def test_bad_measurements_are_refused():
         PolicyCost(-1, 0.1)
     with pytest.raises(ValueError, match="one width"):
         to_config(["a", "b"], ["ckpt8", "ckpt4"])
+
+
+def test_a_larger_budget_never_loses_a_plan():
+    """Found by review: the memory unit used to follow the budget, so a budget one byte larger
+    could round a block up past it and find nothing. It follows the measurements now."""
+    m = _measurements()
+    floor = smallest_budget(m)
+    times = []
+    for budget in range(floor, floor + 40 * MIB, 997 * 1024 + 1):
+        times.append(choose(m, budget).seconds)  # never a PlanError above the floor
+    assert times == sorted(times, reverse=True)
+
+
+def test_the_choice_against_brute_force_on_seeded_random_blocks():
+    """Random costs per block and policy (fixed seeds): a plan is found exactly when one fits,
+    it fits, and it is the fastest up to the time rounding."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(15):
+        r = torch.rand(4, len(POLICIES), 3, generator=gen).tolist()
+        costs = {p: tuple(PolicyCost(int(1 + 100 * MIB * r[i][k][0]), r[i][k][1],
+                                     int(50 * MIB * r[i][k][2]) if p in ("ckpt8", "ckpt4", "ckpt")
+                                     else 0)  # fmt: skip
+                          for i in range(4))
+                 for k, p in enumerate(POLICIES)}  # fmt: skip
+        m = Measurements(blocks=tuple("abcd"), costs=costs, static=10 * MIB)
+        for budget in torch.linspace(10 * MIB, 300 * MIB, 9, dtype=torch.float64).tolist():
+            best = _brute_force(m, int(budget))
+            if best is None:
+                with pytest.raises(PlanError):
+                    choose(m, int(budget))
+                continue
+            plan = choose(m, int(budget))
+            assert plan.peak == _training_peak(m, plan.policies) <= budget
+            t = plan.seconds - m.other_seconds
+            assert best[0] - 1e-12 <= t <= best[0] + 4 * _unit(m)
+
+
+def test_budget_as_a_fraction_of_the_plain_peak_and_bad_budgets():
+    m = _measurements()
+    full = plain_peak(m)
+    assert full == _training_peak(m, ["plain"] * 5)
+    assert choose(m, 1.0).policies == ("plain",) * 5
+    half = choose(m, 0.5)
+    assert half.peak <= full // 2 and half.policies == choose(m, full // 2).policies
+    assert choose(m, float(full)).policies == ("plain",) * 5  # whole bytes as a float
+    for bad, err in [("1GB", TypeError), (True, TypeError), (0.0, ValueError),
+                     (-5, ValueError), (float("nan"), ValueError), (1.5, ValueError)]:  # fmt: skip
+        with pytest.raises(err, match="budget"):
+            choose(m, bad)
+    no_plain = dataclasses.replace(m, costs={"int8": m.costs["int8"]})
+    with pytest.raises(ValueError, match="no 'plain' policy"):
+        choose(no_plain, 0.5)
+
+
+def test_errors_name_the_term_that_is_over_the_budget():
+    m = dataclasses.replace(_measurements(), optimizer_peak=700 * MIB)
+    with pytest.raises(PlanError, match=r"below the optimizer step's peak 700\.0 MiB") as e:
+        choose(m, 650 * MIB)  # above the fixed terms (620 MiB), below the optimizer's peak
+    assert "no activation policy changes: 620" not in str(e.value)
+    tiny = Measurements(blocks=("b",), costs={"plain": (PolicyCost(10, 0.1),)}, static=5000)
+    with pytest.raises(PlanError, match="budget 4,000 bytes .* 5,000 bytes"):
+        choose(tiny, 4000)
+    with pytest.raises(ValueError, match="more than once"):
+        Measurements(blocks=("a", "a"), costs={"plain": (COST["plain"],) * 2}, static=0)
+    with pytest.raises(ValueError, match="finite"):
+        PolicyCost(1, float("inf"))
+
+
+def test_plan_overrides_come_after_the_base_s():
+    """Found by review: a base override with a block's own key kept its earlier place, so a
+    later base glob won over the plan's choice for that block."""
+    base = mesa_lite.Config(overrides={"b0.*": {"group_size": 32}, "b*": {"bits": 2}})
+    cfg = to_config(["b0", "b1"], ["int8", "plain"], base)
+    assert list(cfg.overrides)[-4:] == ["b0", "b0.*", "b1", "b1.*"]
+    assert cfg.spec_for("b0.fc", "linear").bits == 8
+    assert cfg.spec_for("b0.fc", "linear").group_size == 32
+    assert cfg.spec_for("b1.fc", "linear") is None
+
+
+def test_blocks_whose_names_are_globs():
+    """Found by review: a block named ``l[0]`` made a "l[0].*" override, an fnmatch class
+    that matches nothing inside it; names are escaped now."""
+    from mesa_lite.planner import measure
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential()
+    for i in range(2):
+        net.add_module(f"l[{i}]", torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()))
+    net.add_module("l0", torch.nn.Linear(16, 4))  # what "l[0]" as a glob would match
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    m = measure(net, lambda mdl: mdl(x).square().mean(), blocks=["l[0]", "l[1]"], timed=1,
+                policies=("plain", "int8", "ckpt8"))  # fmt: skip
+    assert m.costs["plain"][0].kept > m.costs["int8"][0].kept > 0
+    cfg = to_config(m.blocks, ["int8", "ckpt8"], leaves=m.leaves)
+    assert cfg.spec_for("l[0].0", "linear").bits == 8 and cfg.spec_for("l0", "linear").bits == 8
+    cfg = to_config(m.blocks, ["plain", "ckpt8"], leaves=m.leaves)
+    assert cfg.spec_for("l[0].0", "linear") is None
+    assert cfg.spec_for("l0", "linear") is not None  # the glob class no longer matches l0
+    wrapped = mesa_lite.wrap(copy.deepcopy(net), cfg)
+    assert torch.equal(wrapped(x), net(x))
+    with pytest.raises(ValueError, match="more than once"):
+        measure(net, lambda mdl: mdl(x).sum(), blocks=["l[0]", "l[0]"], timed=1)
+    with pytest.raises(ValueError, match="no parameters"):
+        measure(torch.nn.Sequential(torch.nn.GELU()), lambda mdl: mdl(x).sum(), blocks=["0"])
 
 
 def test_config_round_trip_through_json():
