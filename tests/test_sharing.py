@@ -125,3 +125,36 @@ def test_attention_output_shared_with_projection(device):
     plain.load_state_dict(proj.state_dict())
     plain(ref_out.transpose(1, 2).reshape(B, N, H * D)).sum().backward()
     assert sqnr_db(plain.weight.grad, g_proj) >= 30
+
+
+class TwoConvs(nn.Module):
+    """One input read by two convolutions (a ResNet's first block: conv1 and the
+    downsample)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(8, 8, 1)
+        self.b = nn.Conv2d(8, 16, 1, stride=2)
+
+    def forward(self, x):
+        x = x[:, :, ::2, ::2].clone()  # a plain op's output (keeps nothing): no codes
+        return self.a(x).sum() + self.b(x).sum()
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_convolutions_reading_one_input_keep_one_copy(channels_last):
+    torch.manual_seed(0)
+    plain = TwoConvs()
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), Config(layers={"conv"}))
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randn(4, 8, 16, 16, generator=torch.Generator().manual_seed(1))
+    x = x.to(memory_format=fmt).requires_grad_()
+    assert x[:, :, ::2, ::2].clone().is_contiguous(memory_format=fmt)
+    params = list(wrapped.parameters())
+    kept, _ = saved_activation_bytes(lambda: wrapped(x), params)
+    codes = 4 * 8 * 8 * 8  # one int8 copy of the input (+ its scales)
+    assert codes < kept < 1.1 * codes, kept
+    ref = torch.autograd.grad(plain(x), [x, *plain.parameters()])
+    got = torch.autograd.grad(wrapped(x), [x, *params])
+    for r, g in zip(ref, got, strict=True):
+        assert sqnr_db(r, g) > 35.0

@@ -198,20 +198,30 @@ def claim(x: torch.Tensor, spec: QuantSpec, memory_order: bool = False) -> None:
 
 
 def keep(
-    x: torch.Tensor, spec: QuantSpec, signed: bool = True, share_key=None, max_steps=None
+    x: torch.Tensor,
+    spec: QuantSpec,
+    signed: bool = True,
+    share_key=None,
+    max_steps=None,
+    offer: bool = False,
 ) -> quant.Packed:
     """Reuses the codes a producer registered for ``x`` (or for ``share_key``, the tensor before
     the autocast cast that made ``x``), else quantizes ``x`` (and tells a ReLU whose output
     ``x`` is that it can keep codes for its consumer: ``claim``).
 
     ``max_steps``: reuse only codes whose recipe has at most this many steps (a producer that
-    extends the recipe passes ``MAX_RECIPE_STEPS - 1``).
+    extends the recipe passes ``MAX_RECIPE_STEPS - 1``). ``offer``: codes quantized here are
+    registered for ``x`` (``quant.share``), so that another consumer of the same tensor (a
+    ResNet's max-pooling output feeds two convolutions) keeps no second copy.
     """
     shared = quant.lookup_shared(x, spec, key=share_key)
     claim(x if share_key is None else share_key, spec)  # a ReLU's codes in use count too
     if shared is not None and (max_steps is None or len(shared.recipe) <= max_steps):
         return shared
-    return quant.quantize(x, spec, signed)
+    p = quant.quantize(x, spec, signed)
+    if offer and (share_key is None or share_key is x):  # not for an autocast cast of it
+        quant.share(x, p)
+    return p
 
 
 def first_order_only(backward):

@@ -60,11 +60,17 @@ class ConvFn(torch.autograd.Function):
         ctx.perm = None
         if need_w:
             ctx.perm = channels_last_perm(x)
+            # codes quantized here are offered to the other consumers of x (a ResNet's first
+            # block reads its input with two convolutions)
             if ctx.perm is None:
-                px = keep(x, spec, share_key=shares[0])
+                px = keep(x, spec, share_key=shares[0], offer=True)
             else:  # codes in memory order: a ReLU's shared ones, or quantized here
-                px = keep(x.permute(ctx.perm), spec)
+                xp = x.permute(ctx.perm)
+                fresh_codes = quant.lookup_shared(xp, spec) is None
+                px = keep(xp, spec)
                 claim(x, spec, memory_order=True)
+                if fresh_codes:
+                    quant.share(x, px, memory_order=True)
         quant.save(ctx, px, weight if need_x else None)
         ctx.cfg = cfg
         ctx.x_meta = (x.shape, x.stride(), x.dtype)
