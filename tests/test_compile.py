@@ -28,9 +28,17 @@ def tiny_swin():
     )  # fmt: skip
 
 
+def tiny_swin_fused():
+    model = tiny_swin()
+    for m in model.modules():
+        if hasattr(m, "fused_attn"):
+            m.fused_attn = True
+    return model
+
+
 MODELS = {"vit-fused": lambda: tiny_vit(True), "vit-explicit": lambda: tiny_vit(False),
-          "swin": tiny_swin}  # fmt: skip
-SIZES = {"vit-fused": 16, "vit-explicit": 16, "swin": 28}
+          "swin": tiny_swin, "swin-fused": tiny_swin_fused}  # fmt: skip
+SIZES = {"vit-fused": 16, "vit-explicit": 16, "swin": 28, "swin-fused": 28}
 
 
 def _batch(name):
@@ -41,8 +49,20 @@ def _batch(name):
 
 @pytest.mark.parametrize(
     "name, train",
-    [("vit-fused", True), ("vit-explicit", True), ("swin", True), ("vit-fused", False)],
-    ids=["vit-fused-train", "vit-explicit-train", "swin-train", "vit-fused-eval"],
+    [
+        ("vit-fused", True),
+        ("vit-explicit", True),
+        ("swin", True),
+        ("swin-fused", True),
+        ("vit-fused", False),
+    ],
+    ids=[
+        "vit-fused-train",
+        "vit-explicit-train",
+        "swin-train",
+        "swin-fused-train",
+        "vit-fused-eval",
+    ],
 )
 def test_wrapped_model_compiles_into_one_graph(name, train):
     """torch._dynamo.explain: a wrapped ViT (fused or explicit attention) and Swin trace into
@@ -93,9 +113,10 @@ def test_compiled_training_matches_eager_wrapped(name):
 @pytest.mark.parametrize("name", ["vit-fused", "swin"])
 def test_compiled_model_keeps_what_eager_mode_keeps(name):
     """The compiled graph saves the codes, not the activations: bytes kept for backward
-    (fp32, so no autocast weight copies) equal eager mode's for the ViT, and are within 10%
-    for Swin (its per-op layers keep their own copies under compile, and the compiler's
-    partitioner chooses what its plain layers keep)."""
+    (fp32, so no autocast weight copies) equal eager mode's for the ViT, and are within 30%
+    for Swin (under compile its explicit attention keeps the softmax output twice, the
+    softmax's codes and the ``attn @ v`` product's own, as the eager sharing of codes is off
+    there; and the compiler's partitioner chooses what its plain layers keep)."""
     torch._dynamo.reset()
     model = mesa_lite.wrap(MODELS[name]()).train()
     plain = mesa_lite.unwrap(copy.deepcopy(model)).train()
@@ -109,10 +130,9 @@ def test_compiled_model_keeps_what_eager_mode_keeps(name):
     if name == "vit-fused":
         assert compiled_kept == eager_kept
     else:
-        assert abs(compiled_kept - eager_kept) <= 0.1 * eager_kept, (eager_kept, compiled_kept)
-    # measured: this ViT 4.9x less than plain, this tiny Swin 1.8x (its masked window attention
-    # and position biases stay plain)
-    assert compiled_kept * (4 if name == "vit-fused" else 1.5) < plain_kept
+        assert eager_kept <= compiled_kept <= 1.3 * eager_kept, (eager_kept, compiled_kept)
+    # measured: this ViT 4.9x less than plain; this tiny Swin 4.2x eager, 3.2x compiled
+    assert compiled_kept * (4 if name == "vit-fused" else 3) < plain_kept
 
 
 def test_compile_honours_the_sdpa_backends_the_user_enabled():
@@ -235,19 +255,21 @@ def test_custom_ops_pass_opcheck():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("name", ["vit-fused", "swin", "swin-fused"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_vit_on_the_gpu(backend):
+def test_compiled_vit_on_the_gpu(backend, name):
     """On CUDA with fp16 autocast: one graph, the Triton kernels through the custom ops, loss
     equal to the compiled plain model's within fp16 rounding, gradients within the int8 floor
     of eager mode's (under compile attention runs flash or memory-efficient attention, where
-    eager mode may run cuDNN's)."""
+    eager mode may run cuDNN's). Swin's fused window attention compiles its
+    memory-efficient Function."""
     torch._dynamo.reset()
-    plain = tiny_vit(True).cuda()
+    plain = MODELS[name]().cuda()
     eager = mesa_lite.wrap(copy.deepcopy(plain))
     compiled_src = copy.deepcopy(eager)
     compiled = torch.compile(compiled_src, backend=backend, fullgraph=True)
     compiled_plain = torch.compile(plain, backend=backend)
-    x, y = (t.cuda() for t in _batch("vit-fused"))
+    x, y = (t.cuda() for t in _batch(name))
     with torch.autocast("cuda", dtype=torch.float16):
         explained = torch._dynamo.explain(compiled_src)(x)
         loss_e = F.cross_entropy(eager(x), y)

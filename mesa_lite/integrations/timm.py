@@ -25,6 +25,7 @@ from mesa_lite.modules import (
     scaled_dot_product_attention,
     softmax,
 )
+from mesa_lite.ops.attention import window_attention
 from mesa_lite.ops.common import autocast_dtype
 from mesa_lite.ops.mul import scale_mul
 
@@ -34,10 +35,12 @@ try:
     from timm.layers import Mlp as _TimmMlp
     from timm.models.convnext import ConvNeXtBlock as _ConvNeXtBlock
     from timm.models.swin_transformer import SwinTransformerBlock as _SwinBlock
+    from timm.models.swin_transformer import WindowAttention as _WindowAttention
     from timm.models.vision_transformer import Block as _TimmBlock
 except ImportError:  # pragma: no cover - timm is optional
     _tl = None
     _TimmAttention = _TimmMlp = _TimmBlock = _SwinBlock = _ConvNeXtBlock = None
+    _WindowAttention = None
 
 
 def _resolve_mask(n: int, attn: torch.Tensor, attn_mask, is_causal: bool):
@@ -64,6 +67,8 @@ def registrations() -> list[tuple[type, type, str, object, str | None]]:
     if _tl is None:
         return []
     regs = [(_TimmAttention, Attention, "attention", None, None)]
+    if _WindowAttention is not None:
+        regs.append((_WindowAttention, WindowAttention, "attention", None, None))
     if hasattr(_tl, "LayerNorm"):
         regs.append(
             (_tl.LayerNorm, LayerNorm, "layernorm", _plain_layer_norm, "timm fast-norm path on")
@@ -188,6 +193,47 @@ if _TimmAttention is not None:
             x = self.norm(x)
             if gate is not None:
                 x = x * gate
+            x = self.proj(x)
+            x = self.proj_drop(x)
+            return x
+
+
+if _WindowAttention is not None:
+
+    class WindowAttention(MesaModule, _WindowAttention):
+        """timm Swin's ``WindowAttention`` keeping what attention needs for backward
+        compressed.
+
+        Explicit mode (timm's default for Swin): q, k, the softmax output and v, through
+        mesa_lite's matmul and the (converted) softmax child, whose codes ``attn @ v`` reuses.
+        Fused mode: ``ops.attention.window_attention``: q, k, v and the output compressed, and
+        the full relative-position-plus-window bias not kept (made again in backward).
+        """
+
+        mesa_kind = "attention"
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+            if not self._mesa_active(x):
+                return super().forward(x, mask)
+            spec = self.mesa_spec
+            B_, N, C = x.shape
+            qkv = self.qkv(x).reshape(B_, N, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+            q, k, v = qkv.unbind(0)
+            if self.fused_attn:
+                p = self.attn_drop.p if self.training else 0.0
+                x = window_attention(q, k, v, self._get_rel_pos_bias(), mask, p, spec)
+            else:
+                q = q * self.scale
+                attn = matmul(q, k.transpose(-2, -1), spec)
+                attn = attn + self._get_rel_pos_bias()
+                if mask is not None:
+                    num_win = mask.shape[0]
+                    attn = attn.view(-1, num_win, self.num_heads, N, N)
+                    attn = (attn + mask.unsqueeze(1).unsqueeze(0)).view(-1, self.num_heads, N, N)
+                attn = self.softmax(attn)
+                attn = self.attn_drop(attn)
+                x = matmul(attn, v, spec)
+            x = x.transpose(1, 2).reshape(B_, N, -1)
             x = self.proj(x)
             x = self.proj_drop(x)
             return x

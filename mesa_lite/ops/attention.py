@@ -59,17 +59,24 @@ def _joint_base(q, k, v) -> torch.Tensor | None:
 
 
 def sdpa_backend(q, k, v, dropout_p: float, is_causal: bool, scale, mask=None,
-                 enable_gqa: bool = False) -> int:  # fmt: skip
+                 enable_gqa: bool = False, mask_grad: bool | None = None) -> int:  # fmt: skip
     """The fused backend ``F.scaled_dot_product_attention`` runs for these inputs, -1 for its
     math path or an error.
 
     Under torch.compile, where ``_fused_sdp_choice`` cannot be traced, the choice is made once
     while tracing, on empty tensors of the same layout (``assume_constant_result``), honouring
-    the backends the user enabled (``sdpa_kernel``): PyTorch's own choice, as in eager mode."""
+    the backends the user enabled (``sdpa_kernel``): PyTorch's own choice, as in eager mode.
+    ``mask_grad``: whether the mask PyTorch would see needs grad (None: ``mask``'s own flag;
+    the choice depends on it)."""
+    grad = bool(mask.requires_grad) if mask_grad is None and mask is not None else mask_grad
     if not torch.compiler.is_compiling():
+        if mask is not None and grad != mask.requires_grad:
+            mask = mask.detach().requires_grad_(grad)  # what PyTorch would see
         return _fused_choice(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
     layout = tuple((tuple(t.shape), tuple(t.stride())) for t in (q, k, v))
-    m = None if mask is None else (tuple(mask.shape), tuple(mask.stride()), mask.dtype)
+    m = None
+    if mask is not None:
+        m = (tuple(mask.shape), tuple(mask.stride()), mask.dtype, bool(grad))
     flags = (float(dropout_p), bool(is_causal), bool(enable_gqa))
     return _backend_constant(
         layout, q.dtype, str(q.device), m, *flags, scale, sdpa_backends_enabled()
@@ -103,6 +110,7 @@ def _backend_constant(layout, dtype, device: str, mask, dropout_p, is_causal, en
     bias = None
     if mask is not None:
         bias = torch.empty_strided(mask[0], mask[1], dtype=mask[2], device=device)
+        bias.requires_grad_(mask[3])  # PyTorch's choice depends on it
     return _fused_choice(q, k, v, bias, dropout_p, is_causal, scale, enable_gqa)
 
 
@@ -343,3 +351,110 @@ def scaled_dot_product_attention(
             **kwargs,
         )  # fmt: skip
     return SDPAFn.apply(q, k, v, mc, backend, dropout_p, is_causal, scale, spec)
+
+
+def window_bias(rel_bias: torch.Tensor, mask: torch.Tensor | None, heads: int, batch: int):
+    """timm Swin's additive attention bias, as its fused path computes it: the relative-position
+    bias ``rel_bias`` (1, heads, N, N), plus for shifted windows the (windows, N, N) ``mask``
+    repeated over the ``batch`` (windows x images) dimension."""
+    if mask is None:
+        return rel_bias
+    windows, n = mask.shape[0], mask.shape[-1]
+    mask = mask.view(1, windows, 1, n, n).expand(batch // windows, -1, heads, -1, -1)
+    return rel_bias + mask.reshape(-1, heads, n, n)
+
+
+def _bias_grad(gb: torch.Tensor, rel_bias: torch.Tensor, windowed: bool) -> torch.Tensor:
+    """The gradient of ``rel_bias`` from the gradient ``gb`` of the (batch, heads, N, N) bias
+    in q's dtype, in autograd's order for timm's graph: with a window mask the bias was made
+    in fp32 and cast, so the cast's backward comes first and the sum over the batch second;
+    without, the cast (1, heads, N, N) bias was expanded, so the sum comes first."""
+    if windowed:
+        return gb.to(rel_bias.dtype).sum(0, keepdim=True)
+    return gb.sum(0, keepdim=True).to(rel_bias.dtype)
+
+
+class WindowSDPAFn(torch.autograd.Function):
+    """Memory-efficient fused attention (CUDA) with timm Swin's learnt additive bias, keeping
+    q, k, v and the output compressed (as ``SDPAFn``) and of the bias only its parts: the
+    (1, heads, N, N) relative-position bias and the window mask, a buffer. The full
+    (windows x images, heads, N, N) bias, which PyTorch keeps, is made again in backward,
+    whose kernel also gives its gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, rel_bias, mask, full, dropout_p: float, scale, spec):
+        bias = attention_bias(full, q, k, SDPA_EFFICIENT)
+        out, lse, extra, _ = sdpa_run(q, k, v, SDPA_EFFICIENT, dropout_p, False, scale, bias)
+        out = fresh(out)
+        po, ctx.o_order = _keep_in_memory_order(out, spec)
+        kept, ctx.qkv_layout = keep_qkv(q, k, v, spec)
+        ctx.n_qkv = len(kept)
+        if not spec.exact:
+            quant.share(out, po, memory_order=True)
+        quant.save(ctx, *kept, po, lse, rel_bias, mask, *extra)
+        ctx.cfg = (SDPA_EFFICIENT, dropout_p, False, scale)
+        ctx.full_dtype = full.dtype
+        return out
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        saved = quant.load(ctx)
+        n = ctx.n_qkv
+        q, k, v = rebuild_qkv(saved[:n], ctx.qkv_layout)
+        po, lse, rel_bias, mask, seed, offset = saved[n:]
+        out = _restore(po, ctx.o_order)
+        full = window_bias(rel_bias, mask, q.shape[1], q.shape[0]).to(ctx.full_dtype)
+        bias = attention_bias(full, q, k, SDPA_EFFICIENT)
+        needs = [*ctx.needs_input_grad[:3], ctx.needs_input_grad[3]]
+        _, dropout_p, _, scale = ctx.cfg
+        gq, gk, gv, gb = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            grad, q, k, v, bias, out, lse, seed, offset, dropout_p, needs, False, scale=scale
+        )
+        g_rel = _bias_grad(gb, rel_bias, mask is not None) if needs[3] else None
+        return gq, gk, gv, g_rel, None, None, None, None, None
+
+
+def window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rel_bias: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout_p: float = 0.0,
+    spec: QuantSpec | None = None,
+) -> torch.Tensor:
+    """timm Swin's fused window attention: ``F.scaled_dot_product_attention(q, k, v,
+    attn_mask=window_bias(rel_bias, mask, ...), dropout_p=dropout_p)``, compressed.
+
+    Where PyTorch runs it with memory-efficient attention (CUDA; the bias needs grad, which
+    the other fused kernels do not give) q, k, v and the output are kept compressed and the
+    full bias not at all (``WindowSDPAFn``). Elsewhere (the CPU, where PyTorch takes its math
+    path for a bias that needs grad; other CUDA backends) it runs as plain PyTorch,
+    uncompressed, with a one-time warning.
+    """
+    heads = q.shape[1]
+    plain = spec is None or not needs_grad(q, k, v) or plain_under_functorch("attention")
+    if not plain and (mask is not None and mask.requires_grad):
+        plain = True  # timm's mask is a buffer; one that learns is not this op's
+    if plain:
+        full = window_bias(rel_bias, mask, heads, q.shape[0])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=full, dropout_p=dropout_p)
+    dtype = autocast_dtype("sdpa", q.device)
+    with torch.no_grad():  # the full bias is made again in backward, not kept
+        full = autocast_cast(window_bias(rel_bias, mask, heads, q.shape[0]), dtype)
+    vc, kc, qc = autocast_cast(v, dtype), autocast_cast(k, dtype), autocast_cast(q, dtype)
+    backend = -1
+    if qc.dtype == kc.dtype == vc.dtype:
+        backend = sdpa_backend(qc, kc, vc, dropout_p, False, None, full,
+                               mask_grad=rel_bias.requires_grad)  # fmt: skip
+    if backend != SDPA_EFFICIENT or q.device.type != "cuda":
+        warn_once(
+            f"window-attention-{backend}-{q.device.type}",
+            f"mesa_lite: Swin's fused window attention runs with SDPA backend {backend} on "
+            f"{q.device.type} (compressed with the memory-efficient backend on CUDA only); "
+            "it runs as plain F.scaled_dot_product_attention",
+        )
+        full = window_bias(rel_bias, mask, heads, q.shape[0])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=full, dropout_p=dropout_p)
+    return WindowSDPAFn.apply(qc, kc, vc, rel_bias, mask, full, dropout_p, None, spec)

@@ -64,20 +64,35 @@ class MatMulFn(torch.autograd.Function):
         a_shape, b_shape = ctx.shapes
         a_dims, b_dims = len(a_shape), len(b_shape)
         grad_a = grad_b = None
-        # Mirror torch.matmul's own folding into one mm when one operand is 2-D, so that the
-        # gradients of the exact (debug) mode equal PyTorch's bit for bit.
+        # Mirror torch.matmul's own folding into one mm when one operand is 2-D, and into one
+        # bmm of the expanded, reshaped operands when both have batch dims (a reshape that
+        # copies a strided view, such as timm's k of its qkv output, gives the bmm the layout
+        # PyTorch's backward uses), so that the gradients of the exact (debug) mode equal
+        # PyTorch's bit for bit.
+        batched = a_dims >= 3 and b_dims >= 3
+        if batched:
+            batch = torch.broadcast_shapes(a_shape[:-2], b_shape[:-2])
+            g3 = grad.reshape(-1, *grad.shape[-2:])
         if ctx.needs_input_grad[0]:
             b = _operand(pb, ctx.dtypes[1])
             if a_dims == 2 and b_dims >= 3:
                 bt = b.transpose(-2, -1).reshape(-1, b.shape[-2])
                 gt = grad.transpose(-2, -1).reshape(-1, grad.shape[-2])
                 grad_a = (bt.t() @ gt).t()
+            elif batched:
+                b3 = b.expand(*batch, *b_shape[-2:]).reshape(-1, *b_shape[-2:])
+                grad_a = g3.bmm(b3.transpose(1, 2)).view(*batch, *a_shape[-2:])
+                grad_a = _sum_to(grad_a, a_shape)
             else:
                 grad_a = _sum_to(torch.matmul(grad, b.transpose(-2, -1)), a_shape)
         if ctx.needs_input_grad[1]:
             a = _operand(pa, ctx.dtypes[0])
             if b_dims == 2 and a_dims >= 3:
                 grad_b = a.reshape(-1, a.shape[-1]).t() @ grad.reshape(-1, grad.shape[-1])
+            elif batched:
+                a3 = a.expand(*batch, *a_shape[-2:]).reshape(-1, *a_shape[-2:])
+                grad_b = a3.transpose(1, 2).bmm(g3).view(*batch, *b_shape[-2:])
+                grad_b = _sum_to(grad_b, b_shape)
             else:
                 grad_b = _sum_to(torch.matmul(a.transpose(-2, -1), grad), b_shape)
         return grad_a, grad_b, None, None
