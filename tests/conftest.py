@@ -26,6 +26,19 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
+def graph_nodes(out) -> set[str]:
+    """The class names of the autograd nodes behind ``out``."""
+    seen, stack, names = set(), [out.grad_fn], set()
+    while stack:
+        f = stack.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        names.add(type(f).__name__)
+        stack += [g for g, _ in f.next_functions]
+    return names
+
+
 def sqnr_db(ref: torch.Tensor, x: torch.Tensor) -> float:
     """20 * log10(||ref|| / ||ref - x||) in fp64; inf when equal."""
     ref, x = ref.double(), x.double()

@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_equal, saved_activation_bytes, sqnr_db
+from conftest import assert_equal, graph_nodes, saved_activation_bytes, sqnr_db
 
 import mesa_lite
 from mesa_lite import Config
@@ -45,16 +45,7 @@ def _step(model, x, autocast):
     return out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _nodes(out) -> set[str]:
-    seen, stack, names = set(), [out.grad_fn], set()
-    while stack:
-        f = stack.pop()
-        if f is None or f in seen:
-            continue
-        seen.add(f)
-        names.add(type(f).__name__)
-        stack += [g for g, _ in f.next_functions]
-    return names
+_nodes = graph_nodes
 
 
 def _unfused(model):

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_equal, saved_activation_bytes, sqnr_db
+from conftest import assert_equal, graph_nodes, saved_activation_bytes, sqnr_db
 
 import mesa_lite
 from mesa_lite import Config
@@ -115,14 +115,7 @@ def test_fused_window_attention_on_cuda_keeps_no_full_bias():
     int8 = mesa_lite.wrap(copy.deepcopy(plain))
     with torch.autocast("cuda", dtype=torch.float16):
         out = int8(x.requires_grad_(), mask)
-    names, stack, seen = set(), [out.grad_fn], set()
-    while stack:
-        f = stack.pop()
-        if f is None or f in seen:
-            continue
-        seen.add(f)
-        names.add(type(f).__name__)
-        stack += [g for g, _ in f.next_functions]
+    names = graph_nodes(out)
     assert "WindowSDPAFnBackward" in names
     full_bias = x.shape[0] * 2 * N * N * 2  # what PyTorch keeps of the bias alone (fp16)
 

@@ -253,6 +253,27 @@ def rebuild_qkv(kept: list, layout) -> list[torch.Tensor]:
     return [_restore(p, o) for p, o in zip(kept, info, strict=True)]
 
 
+def _save_attention(ctx, q, k, v, out, spec: QuantSpec, *rest) -> None:
+    """Saves q, k, v (``keep_qkv``) and the output compressed, then ``rest`` as they are."""
+    po, ctx.o_order = _keep_in_memory_order(out, spec)
+    kept, ctx.qkv_layout = keep_qkv(q, k, v, spec)
+    ctx.n_qkv = len(kept)
+    # the output, in memory order, is also the projection's input (timm reshapes it to
+    # (B, N, C), a view when the backend wrote it (B, N, H, D)-contiguous as cuDNN does);
+    # in the exact mode the projection keeps its input itself (see _keep_in_memory_order)
+    if not spec.exact:
+        quant.share(out, po, memory_order=True)
+    quant.save(ctx, *kept, po, *rest)
+
+
+def _load_attention(ctx):
+    """``(q, k, v, out, rest)`` from ``_save_attention``."""
+    saved = quant.load(ctx)
+    n = ctx.n_qkv
+    q, k, v = rebuild_qkv(saved[:n], ctx.qkv_layout)
+    return q, k, v, _restore(saved[n], ctx.o_order), saved[n + 1 :]
+
+
 class SDPAFn(torch.autograd.Function):
     """``F.scaled_dot_product_attention`` through the fused backend PyTorch picked (CPU flash,
     CUDA flash, memory-efficient or cuDNN), keeping q, k, v (``keep_qkv``) and the output
@@ -269,26 +290,14 @@ class SDPAFn(torch.autograd.Function):
         bias = attention_bias(mask, q, k, backend)
         out, lse, extra, ctx.max_qk = sdpa_run(q, k, v, backend, dropout_p, is_causal, scale, bias)
         out = fresh(out)
-        po, ctx.o_order = _keep_in_memory_order(out, spec)
-        kept, ctx.qkv_layout = keep_qkv(q, k, v, spec)
-        ctx.n_qkv = len(kept)
-        # the output, in memory order, is also the projection's input (timm reshapes it to
-        # (B, N, C), a view when the backend wrote it (B, N, H, D)-contiguous as cuDNN does);
-        # in the exact mode the projection keeps its input itself (see _keep_in_memory_order)
-        if not spec.exact:
-            quant.share(out, po, memory_order=True)
-        quant.save(ctx, *kept, po, lse, mask, *extra)
+        _save_attention(ctx, q, k, v, out, spec, lse, mask, *extra)
         ctx.cfg = (backend, dropout_p, is_causal, scale)
         return out
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
-        saved = quant.load(ctx)
-        n = ctx.n_qkv
-        q, k, v = rebuild_qkv(saved[:n], ctx.qkv_layout)
-        po, lse, mask, *extra = saved[n:]
-        out = _restore(po, ctx.o_order)
+        q, k, v, out, (lse, mask, *extra) = _load_attention(ctx)
         needs = ctx.needs_input_grad[:3]
         bias = attention_bias(mask, q, k, ctx.cfg[0])
         gq, gk, gv = sdpa_backward(grad, q, k, v, out, lse, extra, ctx.max_qk, ctx.cfg, needs, bias)
@@ -386,12 +395,7 @@ class WindowSDPAFn(torch.autograd.Function):
         bias = attention_bias(full, q, k, SDPA_EFFICIENT)
         out, lse, extra, _ = sdpa_run(q, k, v, SDPA_EFFICIENT, dropout_p, False, scale, bias)
         out = fresh(out)
-        po, ctx.o_order = _keep_in_memory_order(out, spec)
-        kept, ctx.qkv_layout = keep_qkv(q, k, v, spec)
-        ctx.n_qkv = len(kept)
-        if not spec.exact:
-            quant.share(out, po, memory_order=True)
-        quant.save(ctx, *kept, po, lse, rel_bias, mask, *extra)
+        _save_attention(ctx, q, k, v, out, spec, lse, rel_bias, mask, *extra)
         ctx.cfg = (SDPA_EFFICIENT, dropout_p, False, scale)
         ctx.full_dtype = full.dtype
         return out
@@ -399,11 +403,7 @@ class WindowSDPAFn(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
-        saved = quant.load(ctx)
-        n = ctx.n_qkv
-        q, k, v = rebuild_qkv(saved[:n], ctx.qkv_layout)
-        po, lse, rel_bias, mask, seed, offset = saved[n:]
-        out = _restore(po, ctx.o_order)
+        q, k, v, out, (lse, rel_bias, mask, seed, offset) = _load_attention(ctx)
         full = window_bias(rel_bias, mask, q.shape[1], q.shape[0]).to(ctx.full_dtype)
         bias = attention_bias(full, q, k, SDPA_EFFICIENT)
         needs = [*ctx.needs_input_grad[:3], ctx.needs_input_grad[3]]
