@@ -163,47 +163,27 @@ def _deit(src: _Sources) -> list[str]:
     return _table(header, rows)
 
 
-def _timm(src: _Sources) -> list[str]:
-    """Swin-T and ConvNeXt-T, same settings as the DeiT table."""
-    rows = []
-    for label, model in (
-        ("Swin-T", "swin_tiny_patch4_window7_224"),
-        ("ConvNeXt-T", "convnext_tiny"),
-    ):
-        p0 = src.row("deit_speed_gpu", model=model, label="plain")
-        p1 = src.row("deit_speed_gpu", model=model, label="mesa int8")
-        rows.append([
-            label, _mib(p0["peak_mib"]), _mib(p1["peak_mib"]),
-            f"**{_x(p0['peak_mib'] / p1['peak_mib'])}**",
-            _x(p0["activation_mib"] / p1["activation_mib"]),
-            f"{_ms(p0['step_ms'])} / {_ms(p1['step_ms'])}", _x(p1["step_ms"] / p0["step_ms"]),
-        ])  # fmt: skip
-    header = ["model", "plain AMP peak MiB", "8-bit peak MiB", "peak reduction",
-              "activation reduction", "step ms, plain / 8-bit", "step / plain"]  # fmt: skip
-    return _table(header, rows)
-
-
 def _cnn(src: _Sources) -> list[str]:
     """Convolutional networks with the opt-in kinds: plain AMP, timm's checkpointing, 8 and 4
     bits; ResNet-50, EfficientNet-B0 and MobileNetV3-large at batch 256, ConvNeXt-T and Swin-T
-    at 128. Each ratio against the plain row of its own run; ResNet-50's 8-bit row is the run
-    after its ReLUs shared the next convolution's codes (8 bits only)."""
+    at 128 (Swin-T with timm's explicit window attention, its default, and fused). Each ratio
+    against the plain row of its own run."""
     rows = []
-    for label, model, name, int8 in (
-        ("ResNet-50", "resnet50", "cnn_memory_gpu", "cnn_memory_gpu_relu_share"),
-        ("EfficientNet-B0", "efficientnet_b0", "cnn_memory_gpu_act", None),
-        ("MobileNetV3-large", "mobilenetv3_large_100", "cnn_memory_gpu_act", None),
-        ("ConvNeXt-T", "convnext_tiny", "cnn_memory_gpu_128", None),
-        ("Swin-T", "swin_tiny_patch4_window7_224", "cnn_memory_gpu_128", None),
-    ):
-        p0 = src.row(name, model=model, label="plain")
+    for label, model, name, match in (
+        ("ResNet-50", "resnet50", "cnn_memory_gpu_share", {}),
+        ("EfficientNet-B0", "efficientnet_b0", "cnn_memory_gpu_act", {}),
+        ("MobileNetV3-large", "mobilenetv3_large_100", "cnn_memory_gpu_act", {}),
+        ("ConvNeXt-T", "convnext_tiny", "cnn_memory_gpu_128", {}),
+        ("Swin-T", "swin_tiny_patch4_window7_224", "swin_memory_gpu", {"attention": "explicit"}),
+        ("Swin-T, fused attention", "swin_tiny_patch4_window7_224", "swin_memory_gpu",
+         {"attention": "fused"}),
+    ):  # fmt: skip
+        p0 = src.row(name, model=model, label="plain", **match)
         cells = [label, str(p0["batch"]), _mib(p0["peak_mib"]), _ms(p0["step_ms"])]
         for mode in ("ckpt", "mesa int8", "mesa int4"):
-            run = int8 if (mode == "mesa int8" and int8) else name
-            base = src.row(run, model=model, label="plain") if run != name else p0
-            r = src.row(run, model=model, label=mode)
-            red = base["peak_mib"] / r["peak_mib"]
-            cells.append(f"{_x(red)}, {_x(r['step_ms'] / base['step_ms'])}")
+            r = src.row(name, model=model, label=mode, **match)
+            red = p0["peak_mib"] / r["peak_mib"]
+            cells.append(f"{_x(red)}, {_x(r['step_ms'] / p0['step_ms'])}")
         rows.append(cells)
     header = ["model", "batch", "plain AMP peak MiB", "plain step ms",
               "timm checkpointing: peak reduction, step / plain",
@@ -344,7 +324,6 @@ _COMPILED_LABELS = {
 # name -> builder; each table is followed by the date, GPU and versions of the rows it used.
 TABLES: dict[str, Callable[[_Sources], list[str]]] = {
     "deit": _deit,
-    "timm": _timm,
     "cnn": _cnn,
     "budget": _budget,
     "llm": _llm,

@@ -25,11 +25,11 @@ FLOOR_DB = 33.0
 
 def _attn(fused: bool, device, seed: int = 0):
     torch.manual_seed(seed)
-    a = WindowAttention(16, num_heads=2, window_size=7).to(device)
+    a = WindowAttention(16, num_heads=2, window_size=7)
     a.fused_attn = fused
     with torch.no_grad():  # a table as a trained one: not the init's near-zero values
         a.relative_position_bias_table.normal_(0, 1, generator=torch.Generator().manual_seed(2))
-    return a
+    return a.to(device)
 
 
 def _mask(device):
