@@ -144,8 +144,8 @@ def _check_quantize_args(
             f"quantize: x.dtype must be one of float32, float16, bfloat16, got {x.dtype}"
         )
     _check_bits_group(bits, group_size, "quantize")
-    if positive and (bits != 8 or signed or normalize is not None):
-        raise ValueError("quantize: positive codes are unsigned 8-bit codes of x itself")
+    if positive and (bits == 2 or signed or normalize is not None):
+        raise ValueError("quantize: positive codes are unsigned 8- or 4-bit codes of x itself")
 
 
 def _check_dequantize_args(
@@ -315,7 +315,7 @@ if HAS_TRITON:
                     offs = first + j
                     mask = bmask & (offs < n)
                     x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
-                    q = _codes(x, finite, safe, offs, seed, QMIN, QMAX, STOCHASTIC)
+                    q = _codes(x, finite, safe, offs, seed, QMIN, QMAX, STOCHASTIC, POSITIVE)
                     stored = tl.where(mask, (q - QMIN).to(tl.int32), 0)
                     packed = packed | (stored << (j * BITS))
                 tl.store(codes_ptr + first // PER_BYTE, packed.to(tl.uint8), mask=bmask)
@@ -508,8 +508,8 @@ def quantize(
         normalize: ``(mean, rstd)``, fp32, one per row of ``x`` (rows of
             ``numel // mean.numel()`` elements): quantize ``(x.float() - mean) * rstd``, a
             LayerNorm's normalized input, without writing it.
-        positive: unsigned 8-bit codes only: code 0 exactly where ``x <= 0``, at least 1
-            elsewhere (a positive value below half a step, NaN): "code > 0" is then the
+        positive: unsigned 8- or 4-bit codes only: code 0 exactly where ``x <= 0``, at
+            least 1 elsewhere (a positive value that rounds to 0, NaN): "code > 0" is then the
             condition of ReLU's backward (``ops/relu.py``).
 
     Returns:

@@ -5,6 +5,7 @@ not, with NaN and inf, channels-last, after a convolution, and under torch.compi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -90,18 +91,25 @@ def test_conv_relu_conv_keeps_codes_and_bits():
         assert sqnr_db(p.grad, q.grad) >= 30, (name, sqnr_db(p.grad, q.grad))
 
 
+# gradient SQNR floors of the ReLU-sharing chain, measured worst over 3 seeds: 8 bits 48.6 dB,
+# 4 bits (stochastic rounding) 19.7 dB; at 4 bits the second convolution's weight gradient from
+# the ReLU's shared codes measured 35.7-37.0 dB against 34.2-40.4 from its own signed codes
+SHARE_FLOOR = {8: 30.0, 4: 15.0}
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-def test_relu_feeding_a_conv_keeps_the_conv_s_codes_only(inplace, layout):
+def test_relu_feeding_a_conv_keeps_the_conv_s_codes_only(inplace, layout, bits):
     """Once a training step has shown that a ReLU's output is kept by a convolution, the ReLU
-    keeps that output's 8-bit codes (registered for the convolution, which keeps nothing new)
-    and no bit: a bit per element less. Its backward takes the condition from the
+    keeps that output's 8- or 4-bit codes (registered for the convolution, which keeps nothing
+    new) and no bit: a bit per element less. Its backward takes the condition from the
     codes, exactly torch's: the gradient at its input is ``grad_out`` where the output is
     positive and 0 elsewhere, also for positive outputs far below one code step."""
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(inplace=inplace),
                           nn.Conv2d(16, 8, 3, padding=1))  # fmt: skip
-    wrapped = mesa_lite.wrap(copy.deepcopy(plain), CNN)
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), dataclasses.replace(CNN, bits=bits))
     x = torch.randn(2, 8, 16, 16)
     if layout == "channels_last":
         plain, wrapped = (m.to(memory_format=torch.channels_last) for m in (plain, wrapped))
@@ -137,10 +145,11 @@ def test_relu_feeding_a_conv_keeps_the_conv_s_codes_only(inplace, layout):
     wrapped(x).square().sum().backward()
     plain(x).square().sum().backward()
     for (name, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
-        assert sqnr_db(p.grad, q.grad) >= 30, (name, sqnr_db(p.grad, q.grad))
+        assert sqnr_db(p.grad, q.grad) >= SHARE_FLOOR[bits], (name, sqnr_db(p.grad, q.grad))
 
 
-def test_shared_relu_codes_keep_torch_s_condition_on_nan_inf_and_zero():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_shared_relu_codes_keep_torch_s_condition_on_nan_inf_and_zero(bits):
     """The codes' condition (code > 0) is ``not out <= 0``, torch's: NaN and +inf outputs pass
     their gradient, zeros and -0.0 do not."""
     from mesa_lite.ops.relu import relu
@@ -148,7 +157,7 @@ def test_shared_relu_codes_keep_torch_s_condition_on_nan_inf_and_zero():
     class Owner:  # stands for a ReLU module known to feed a convolution
         _mesa_relu_state = "share"
 
-    spec = mesa_lite.Config().spec_for("x", "linear")
+    spec = mesa_lite.Config(bits=bits).spec_for("x", "linear")
     x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-30, -1e-30,
                       3.0, -2.0, 1e-8] * 13, requires_grad=True)  # fmt: skip
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
@@ -157,12 +166,13 @@ def test_shared_relu_codes_keep_torch_s_condition_on_nan_inf_and_zero():
     assert_equal(got, want)
 
 
-def test_relu_keeps_its_bit_before_a_pool_and_at_four_bits():
+def test_relu_keeps_its_bit_before_a_pool_and_at_two_bits():
     """A ReLU whose output no convolution keeps (before max-pooling), or one of whose uses
-    does not, keeps its bit; at 4 bits nothing is shared (the condition needs 8-bit codes)."""
+    does not, keeps its bit; at 2 bits nothing is shared (a positive value below a step would
+    be kept as a third of its group's largest)."""
     torch.manual_seed(0)
-    cfg4 = mesa_lite.Config(bits=4, layers=mesa_lite.DEFAULT_LAYERS | {"conv", "relu", "pool"})
-    for cfg, pool in ((CNN, True), (cfg4, False)):
+    cfg2 = mesa_lite.Config(bits=2, layers=mesa_lite.DEFAULT_LAYERS | {"conv", "relu", "pool"})
+    for cfg, pool in ((CNN, True), (cfg2, False)):
         layers = [nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True)]
         layers += [nn.MaxPool2d(2)] if pool else [nn.Conv2d(8, 8, 3, padding=1)]
         net = mesa_lite.wrap(nn.Sequential(*layers), cfg)

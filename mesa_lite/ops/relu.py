@@ -19,7 +19,7 @@ torch's in-place ops do.
 
 A ReLU module whose every output is kept by a compressed consumer (a convolution, a Linear,
 a squeeze-excitation multiply: anything keeping it through ``ops.common.keep``) keeps no bit
-of its own: it keeps its output's 8-bit unsigned codes, registered for the consumer
+of its own: it keeps its output's unsigned codes (8 or 4 bits), registered for the consumer
 (``quant.share``, which then keeps nothing new), and its backward takes the condition from
 them. The codes are rounded as usual except that a positive (or NaN) output gets at least code
 1 and any other code 0 (``group_quant.quantize(positive=True)``), so that "code > 0" is
@@ -31,8 +31,10 @@ module looks at its previous offer; at its first call after a backward (a traini
 ended, every offer of it looked at) it decides for the step to come: codes if every offer was
 claimed, its bit otherwise (a max-pool, a flatten, a frozen convolution, another width). A
 recompute in backward (activation checkpointing) changes nothing, so it keeps what its
-forward kept. Not under torch.compile (no registry there), in debug_exact, or below 8 bits.
-"""
+forward kept. At 8 and 4 bits (at 2 a positive value below one step, a third of the
+group's largest, would be kept as one step); not under torch.compile (no registry there) or
+in debug_exact. The unsigned codes also serve the consumer better than its own signed ones: a
+step of 1/255 (1/15) of the group's largest value instead of 1/127 (1/7)."""
 
 from __future__ import annotations
 
@@ -83,11 +85,19 @@ def _bits(x: torch.Tensor, op: tuple) -> torch.Tensor:
     return x > 0
 
 
+def _nonzero_codes(p: quant.Packed) -> torch.Tensor:
+    """Where the (unsigned, 8- or 4-bit) codes of ``p`` are not 0, flat."""
+    if p.spec.bits == 8:
+        return p.codes != 0
+    low, high = p.codes & 0xF, p.codes >> 4  # element 2i in the low nibble of byte i
+    return torch.stack((low, high), 1).view(-1)[: quant._prod(p.shape)] != 0
+
+
 class ReLUFn(torch.autograd.Function):
     """``op`` (see ``_apply``) out of place, or in place with ``inplace``, keeping its
     condition packed 8 per byte, in the memory order of the output (channels-last too, so that
     the gradient takes the layout torch's backward gives it); with ``share`` (a QuantSpec,
-    ReLU only: ``(spec, box)``) the output's 8-bit codes instead, put in ``box`` with whether
+    ReLU only: ``(spec, box)``) the output's 8- or 4-bit codes instead, put in ``box`` with whether
     they are in memory order, for the caller to register for the next convolution."""
 
     @staticmethod
@@ -103,8 +113,8 @@ class ReLUFn(torch.autograd.Function):
             src = out if ctx.perm is None else out.permute(ctx.perm)
             spec, box = share
             # unsigned codes, 0 exactly where out <= 0 (group_quant's ``positive``)
-            codes, scales = quant._quantize(src, spec.group_size, False, spec.stochastic, 8,
-                                            None, positive=True)  # fmt: skip
+            codes, scales = quant._quantize(src, spec.group_size, False, spec.stochastic,
+                                            spec.bits, None, positive=True)  # fmt: skip
             p = quant.Packed(codes, scales, src.shape, src.dtype, spec, False)
             # registered by the caller once apply has returned: marking an in-place output
             # dirty moves its version on after this forward
@@ -138,7 +148,7 @@ class ReLUFn(torch.autograd.Function):
         g = grad if perm is None else grad.permute(perm)
         if ctx.shared:  # the condition from the codes: code > 0 exactly where out > 0 (or NaN)
             (p,) = quant.load(ctx)
-            out = torch.where(p.codes.view(ctx.shape) != 0, g, 0)
+            out = torch.where(_nonzero_codes(p).view(ctx.shape), g, 0)
             return (out if perm is None else out.permute(inverse_perm(perm))), None, None, None
         (packed,) = ctx.saved_tensors
         selects = op[0] in ("relu", "hardtanh")
@@ -173,8 +183,8 @@ def relu(
     see the module's docstring); otherwise (no grad, non-floating input, inside
     torch.func transforms) the torch op itself. In-place LeakyReLU with a negative slope runs
     torch's op, whose backward refuses it as torch does. ``module`` and ``spec`` (a ReLU
-    module and its setting): keep shared 8-bit codes once a convolution is known to keep the
-    module's output (see the module docstring)."""
+    module and its setting): keep shared 8- or 4-bit codes once a convolution is known to keep
+    the module's output (see the module docstring)."""
     if (
         not needs_grad(x)
         or plain_under_functorch("ReLU")
@@ -187,7 +197,7 @@ def relu(
         # makes the copy in place again
         return x.copy_(ReLUFn.apply(x, False, op))
     shares = (
-        module is not None and op[0] == "relu" and spec is not None and spec.bits == 8
+        module is not None and op[0] == "relu" and spec is not None and spec.bits in (8, 4)
         and not spec.exact and quant.compressible(x) and not torch.compiler.is_compiling()
     )  # fmt: skip
     state = getattr(module, "_mesa_relu_state", None) if shares else None

@@ -169,12 +169,23 @@ def test_special_values(use_triton, dtype, bits, device, triton_device):
     assert out[9] == pytest.approx(-big, rel=1e-2)
 
 
-@pytest.mark.parametrize("group_size", [7, 128, 2048])  # one pass, one pass, two passes
+def _nibbles(codes: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return codes
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32)
+    return ((codes.int()[:, None] >> shifts) & ((1 << bits) - 1)).view(-1)[:n]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group_size", [8, 128, 2048])  # one pass, one pass, two passes
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_positive_codes_are_zero_exactly_where_x_is_not_positive(dtype, group_size, triton_device):
+def test_positive_codes_are_zero_exactly_where_x_is_not_positive(
+    dtype, group_size, bits, triton_device
+):
     """``positive`` (ReLU's shared codes): the kernel equals the reference bit for bit; code 0
     exactly where ``x <= 0`` (negative, zero, -0.0, -inf), at least 1 for a positive value
-    below half a step, +inf and NaN; elsewhere the unsigned codes unchanged."""
+    below half a step, +inf and NaN; elsewhere the unsigned codes unchanged. At 4 bits also
+    with stochastic rounding (its draws differ from the reference's: the rule is checked)."""
     g = torch.Generator().manual_seed(3)
     base = torch.randn(3000, generator=g) * 10
     tiny = torch.tensor([1e-6, -1e-6, 0.0, -0.0, float("inf"), -float("inf"), float("nan")])
@@ -182,19 +193,25 @@ def test_positive_codes_are_zero_exactly_where_x_is_not_positive(dtype, group_si
     x[::11] = -x[::11]  # negatives too (a ReLU's output has none, the codes' rule holds anyway)
     x[5:3000:97] = 1e-6
     x = x.to(dtype)
+    n = x.numel()
     codes, scales = gq.quantize(x.to(triton_device), group_size, signed=False, use_triton=True,
-                                positive=True)  # fmt: skip
-    rcodes, rscales = gq.quantize_ref(x, group_size, signed=False, positive=True)
+                                positive=True, bits=bits)  # fmt: skip
+    rcodes, rscales = gq.quantize_ref(x, group_size, signed=False, positive=True, bits=bits)
     assert_equal(codes.cpu(), rcodes, "codes")
     assert_equal(scales.cpu(), rscales, "scales")
+    rcodes = _nibbles(rcodes, n, bits)
     assert torch.equal(rcodes != 0, ~(x <= 0))
-    plain, _ = gq.quantize_ref(x, group_size, signed=False)
-    moved = rcodes != plain
-    assert torch.equal(moved, (plain == 0) & ~(x <= 0))  # only those rounded to 0 move, to 1
+    plain, _ = gq.quantize_ref(x, group_size, signed=False, bits=bits)
+    moved = rcodes != _nibbles(plain, n, bits)
+    assert torch.equal(moved, (_nibbles(plain, n, bits) == 0) & ~(x <= 0))  # 0 -> 1 only
+    if bits == 4:
+        codes, _ = gq.quantize(x.to(triton_device), group_size, signed=False, use_triton=True,
+                               positive=True, bits=4, stochastic=True)  # fmt: skip
+        assert torch.equal(_nibbles(codes.cpu(), n, 4) != 0, ~(x <= 0))
     with pytest.raises(ValueError, match="positive codes"):
         gq.quantize(x, 128, signed=True, positive=True)
     with pytest.raises(ValueError, match="positive codes"):
-        gq.quantize(x, 128, signed=False, bits=4, positive=True)
+        gq.quantize(x, 128, signed=False, bits=2, positive=True)
 
 
 def test_argument_errors():
