@@ -170,7 +170,7 @@ def _cnn(src: _Sources) -> list[str]:
     against the plain row of its own run."""
     rows = []
     for label, model, name, match in (
-        ("ResNet-50", "resnet50", "cnn_memory_gpu_share", {}),
+        ("ResNet-50", "resnet50", "cnn_memory_gpu_relu4", {}),
         ("EfficientNet-B0", "efficientnet_b0", "cnn_memory_gpu_act", {}),
         ("MobileNetV3-large", "mobilenetv3_large_100", "cnn_memory_gpu_act", {}),
         ("ConvNeXt-T", "convnext_tiny", "cnn_memory_gpu_128", {}),
