@@ -75,6 +75,18 @@ def _compressed(device, fused: bool) -> bool:
 @pytest.mark.parametrize("shifted", [False, True], ids=["plain-windows", "shifted"])
 @pytest.mark.parametrize("fused", [False, True], ids=["explicit", "fused"])
 def test_window_attention_exact_and_compressed(fused, shifted, amp, device):
+    # PyTorch's memory-efficient attention backward adds its gradients in an order that can
+    # change from run to run unless deterministic algorithms are asked for (its warning says
+    # so): asked for here, so that debug_exact can equal it bit for bit
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        _exact_and_compressed(fused, shifted, amp, device)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _exact_and_compressed(fused, shifted, amp, device):
     x = _cases(device)
     mask = _mask(device) if shifted else None
     plain = _attn(fused, device)
@@ -158,3 +170,47 @@ def test_swin_model_converts_its_window_attention():
     assert wrapped_bytes < 0.5 * plain_bytes
     mesa_lite.unwrap(model)
     assert type(model.layers[0].blocks[1].attn) is WindowAttention
+
+
+@pytest.mark.parametrize("shifted", [False, True], ids=["plain-windows", "shifted"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_window_sdpa_function_keeping_exact_copies_gives_pytorch_s_gradients(dtype, shifted):
+    """WindowSDPAFn itself with exact copies kept (``wrap`` runs PyTorch's op in debug_exact):
+    q, k, v and the relative-position gradients PyTorch's, bit for bit in fp16; in fp32 the
+    relative-position one within 2e-3 (measured 8e-4 with a window mask)."""
+    if not torch.cuda.is_available():
+        pytest.skip("the memory-efficient attention backend needs CUDA")
+    import torch.nn.functional as F
+
+    from mesa_lite import QuantSpec
+    from mesa_lite.ops.attention import WindowSDPAFn, window_bias
+
+    g = torch.Generator().manual_seed(5)
+    B, H, D = 32 * WINDOWS, 2, 16
+    q, k, v = (torch.randn(B, H, N, D, generator=g).to("cuda", dtype) for _ in range(3))
+    rel = torch.randn(1, H, N, N, generator=g).cuda()
+    mask = _mask(torch.device("cuda")) if shifted else None
+    grad = torch.randn(B, H, N, D, generator=g).to("cuda", dtype)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, rel)]
+        a, b, c, r = leaves
+        out = F.scaled_dot_product_attention(
+            a, b, c, attn_mask=window_bias(r, mask, H, B).to(dtype)
+        )
+        ref = torch.autograd.grad(out, leaves, grad)
+        mine = [t.clone().requires_grad_() for t in (q, k, v, rel)]
+        a, b, c, r = mine
+        full = window_bias(r.detach(), mask, H, B).to(dtype)
+        got_out = WindowSDPAFn.apply(a, b, c, r, mask, full, 0.0, None, QuantSpec(exact=True))
+        got = torch.autograd.grad(got_out, mine, grad)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert_equal(got_out, out, "output")
+    for name, x, y in zip("qkv", got[:3], ref[:3], strict=False):
+        assert_equal(x, y, name)
+    if dtype == torch.float16:
+        assert_equal(got[3], ref[3], "relative-position bias")
+    else:
+        torch.testing.assert_close(got[3], ref[3], rtol=2e-3, atol=1e-5)
