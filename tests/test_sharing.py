@@ -158,3 +158,26 @@ def test_convolutions_reading_one_input_keep_one_copy(channels_last):
     got = torch.autograd.grad(wrapped(x), [x, *params])
     for r, g in zip(ref, got, strict=True):
         assert sqnr_db(r, g) > 35.0
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_a_convolution_offers_no_codes_for_a_tensor_the_user_holds(channels_last):
+    """A convolution reading a leaf (a batch buffer refilled each step through ``.data``, which
+    moves no version counter) keeps its own codes each step: none are registered for the
+    buffer, so the next step's gradients come from the next step's values."""
+    from mesa_lite import quant
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), Config(layers={"conv", "linear"}))
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    buf = torch.zeros(2, 3, 8, 8).to(memory_format=fmt)
+    for step in range(3):
+        buf.data.copy_(torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(step)))
+        grads = []
+        for model in (plain, wrapped):
+            model.zero_grad()
+            model(buf).square().sum().backward()
+            grads.append(model[0].weight.grad)
+        assert sqnr_db(grads[0], grads[1]) > 35.0, step
+        assert quant.lookup_shared(buf, QuantSpec()) is None

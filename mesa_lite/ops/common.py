@@ -212,16 +212,27 @@ def keep(
     ``max_steps``: reuse only codes whose recipe has at most this many steps (a producer that
     extends the recipe passes ``MAX_RECIPE_STEPS - 1``). ``offer``: codes quantized here are
     registered for ``x`` (``quant.share``), so that another consumer of the same tensor (a
-    ResNet's max-pooling output feeds two convolutions) keeps no second copy.
+    ResNet's max-pooling output feeds two convolutions) keeps no second copy; only for an
+    op's output in the autograd graph (``offerable``), never for a tensor the user holds.
     """
     shared = quant.lookup_shared(x, spec, key=share_key)
     claim(x if share_key is None else share_key, spec)  # a ReLU's codes in use count too
     if shared is not None and (max_steps is None or len(shared.recipe) <= max_steps):
         return shared
     p = quant.quantize(x, spec, signed)
-    if offer and (share_key is None or share_key is x):  # not for an autocast cast of it
-        quant.share(x, p)
+    if offer and (share_key is None or share_key is x) and offerable(x):
+        quant.share(x, p)  # (not for an autocast cast of it: its codes are keyed on the cast)
     return p
+
+
+def offerable(x: torch.Tensor) -> bool:
+    """Whether codes quantized for ``x`` may be registered for other consumers of it: only
+    when ``x`` is an op's output in this step's autograd graph. A leaf (a batch the user
+    holds, a buffer refilled each step through ``.data`` or numpy, which moves no version
+    counter, a slice of a dataset held as one tensor) lives across steps: its codes would be
+    reused with stale values or frozen stochastic rounding, and kept while it lives. Never
+    under torch.compile (no registry there; Dynamo cannot read a ``grad_fn``)."""
+    return not torch.compiler.is_compiling() and x.grad_fn is not None
 
 
 def first_order_only(backward):

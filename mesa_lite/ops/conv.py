@@ -25,6 +25,7 @@ from mesa_lite.ops.common import (
     fresh,
     inverse_perm,
     keep,
+    offerable,
     plain_under_functorch,
     register_probe,
 )
@@ -69,7 +70,7 @@ class ConvFn(torch.autograd.Function):
                 fresh_codes = quant.lookup_shared(xp, spec) is None
                 px = keep(xp, spec)
                 claim(x, spec, memory_order=True)
-                if fresh_codes:
+                if fresh_codes and offerable(x):
                     quant.share(x, px, memory_order=True)
         quant.save(ctx, px, weight if need_x else None)
         ctx.cfg = cfg
