@@ -128,6 +128,9 @@ MATMUL_SHAPES = {
     "broadcast_b": ((2, 3, 33, 64), (64, 17)),
     "broadcast_batch": ((2, 1, 33, 64), (1, 3, 64, 17)),
     "broadcast_a": ((33, 64), (2, 3, 64, 17)),
+    # torch folds this into an mm whose second operand a.mT is column-major (its backward
+    # then computes that gradient transposed: fp32 sums differ in the other order)
+    "broadcast_a_small": ((7, 5), (2, 3, 5, 9)),
 }
 
 
@@ -158,6 +161,25 @@ def test_matmul(shapes, autocast, exact, device):
         else:
             db = sqnr_db(g1, g2)
             assert INT8_SQNR_FLOOR_DB <= db < float("inf"), f"grad of {what}: {db:.1f} dB"
+
+
+@pytest.mark.parametrize(
+    "sa, sb",
+    [((2, 3, 0), (2, 0, 4)), ((2, 0, 5), (2, 5, 4)), ((2, 3, 5), (2, 5, 0)), ((0, 3, 5), (0, 5, 4)),
+     ((3, 0), (2, 0, 4)), ((2, 3, 0), (0, 4)), ((2, 0, 5), (5, 4)), ((0, 5), (2, 5, 4))],
+)  # fmt: skip
+@pytest.mark.parametrize("exact", [True, False], ids=["debug_exact", "int8"])
+def test_matmul_with_an_empty_dimension_as_torch(sa, sb, exact):
+    """A zero-length sequence or batch: the output and gradients are torch's (zeros, or empty)."""
+    a, b = torch.randn(sa), torch.randn(sb)
+    a1, b1 = a.clone().requires_grad_(), b.clone().requires_grad_()
+    a2, b2 = a.clone().requires_grad_(), b.clone().requires_grad_()
+    y1, y2 = a1 @ b1, mesa_lite.MatMul(QuantSpec(exact=exact))(a2, b2)
+    assert_equal(y2, y1, "forward")
+    y1.sum().backward()
+    y2.sum().backward()
+    assert_equal(a2.grad, a1.grad, "grad of a")
+    assert_equal(b2.grad, b1.grad, "grad of b")
 
 
 def test_matmul_below_2d_runs_plain_op():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mesa_lite import quant
@@ -55,6 +57,9 @@ class MatMulFn(torch.autograd.Function):
         quant.save(ctx, pa, pb)
         ctx.dtypes = (a.dtype, b.dtype)
         ctx.shapes = (a.shape, b.shape)
+        # a 2-D ``a`` row-major: torch.matmul's folded mm has ``a.mT`` column-major as its
+        # second operand, whose gradient mm's backward computes as (grad^T @ mat1)^T
+        ctx.a_rows = a.dim() == 2 and a.stride(1) == 1 and a.stride(0) == a.shape[1]
         return fresh(out)
 
     @staticmethod
@@ -72,15 +77,17 @@ class MatMulFn(torch.autograd.Function):
         batched = a_dims >= 3 and b_dims >= 3
         if batched:
             batch = torch.broadcast_shapes(a_shape[:-2], b_shape[:-2])
-            g3 = grad.reshape(-1, *grad.shape[-2:])
+            n = math.prod(batch)  # (not -1: ambiguous for an empty tensor)
+            g3 = grad.reshape(n, *grad.shape[-2:])
         if ctx.needs_input_grad[0]:
             b = _operand(pb, ctx.dtypes[1])
             if a_dims == 2 and b_dims >= 3:
-                bt = b.transpose(-2, -1).reshape(-1, b.shape[-2])
-                gt = grad.transpose(-2, -1).reshape(-1, grad.shape[-2])
-                grad_a = (bt.t() @ gt).t()
+                rows = math.prod(b.shape[:-2]) * b.shape[-1]
+                bt = b.transpose(-2, -1).reshape(rows, b.shape[-2])
+                gt = grad.transpose(-2, -1).reshape(rows, grad.shape[-2])
+                grad_a = gt.t() @ bt if ctx.a_rows else (bt.t() @ gt).t()
             elif batched:
-                b3 = b.expand(*batch, *b_shape[-2:]).reshape(-1, *b_shape[-2:])
+                b3 = b.expand(*batch, *b_shape[-2:]).reshape(n, *b_shape[-2:])
                 grad_a = g3.bmm(b3.transpose(1, 2)).view(*batch, *a_shape[-2:])
                 grad_a = _sum_to(grad_a, a_shape)
             else:
@@ -88,9 +95,10 @@ class MatMulFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             a = _operand(pa, ctx.dtypes[0])
             if b_dims == 2 and a_dims >= 3:
-                grad_b = a.reshape(-1, a.shape[-1]).t() @ grad.reshape(-1, grad.shape[-1])
+                rows = math.prod(a.shape[:-1])
+                grad_b = a.reshape(rows, a.shape[-1]).t() @ grad.reshape(rows, grad.shape[-1])
             elif batched:
-                a3 = a.expand(*batch, *a_shape[-2:]).reshape(-1, *a_shape[-2:])
+                a3 = a.expand(*batch, *a_shape[-2:]).reshape(n, *a_shape[-2:])
                 grad_b = a3.transpose(1, 2).bmm(g3).view(*batch, *b_shape[-2:])
                 grad_b = _sum_to(grad_b, b_shape)
             else:
