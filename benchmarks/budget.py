@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import sys
 from pathlib import Path
@@ -272,7 +273,8 @@ def _measurements_row(m) -> dict:
     return {
         "row": "measurements",
         "blocks": list(m.blocks),
-        "costs": {p: [[c.kept, c.seconds, c.transient] for c in cs] for p, cs in m.costs.items()},
+        # PolicyCost's fields in order (older rows have the first three)
+        "costs": {p: [list(dataclasses.astuple(c)) for c in cs] for p, cs in m.costs.items()},
         "static": m.static, "outside": m.outside, "temporaries": m.temporaries,
         "optimizer_peak": m.optimizer_peak, "leaves": list(m.leaves),
     }  # fmt: skip

@@ -17,24 +17,27 @@ The predicted peak is the larger of the training peak and the optimizer step's p
 training peak is the largest, over the blocks in backward order (last block first), of what
 is alive while block ``i``'s backward runs: ``static + outside + temporaries + kept(0..i) +
 transient(i)``. Its terms: parameters, gradients and optimizer state (on CUDA also the other
-tensors allocated when the step starts, such as its inputs); what the model keeps outside its
-blocks; what backward adds to the kept bytes, split in a fixed part (``temporaries``) and a
-part per policy (``transient``); and the bytes kept by blocks ``0..i`` (the later ones were
-freed by their backward). On CUDA ``temporaries`` and ``transient`` come from the measured
-training peak of each policy on every block (where the last block's backward runs: backward's
-temporaries and a checkpointed block's recompute, less the gradients not yet allocated then,
-so ``temporaries`` may be negative). The gradients an earlier block's backward finds
-allocated are taken as offset by the temporaries of the loss and head freed by then: on the
-H200 this model predicted DeiT-S and DeiT-B plans' measured peaks within 0.5%. On other
-devices ``temporaries`` is 0 and a checkpointed block's transient its plain bytes (its
-recompute, an upper bound). The predicted step time is ``other_seconds + sum(seconds)``. The
-choice minimizes the time under the budget by a dynamic program over the blocks in order,
-on time counted in units of 1/16384 of the slowest choice's (``_unit``) and bytes counted
-exactly: the predicted peak never exceeds the budget, a plan is found whenever one fits
-(so a larger budget never loses one), and it is the fastest up to that rounding of time
-(less than one unit per block). One Config holds
-one checkpoint width, so plans with ``ckpt8``, ``ckpt4`` and ``ckpt`` are solved apart and
-the fastest is kept.
+tensors allocated when the step starts, such as its inputs); what the model keeps outside
+its blocks; what backward adds to the kept bytes, split in a fixed part (``temporaries``)
+and a part per policy (``transient``); and the bytes kept by blocks ``0..i`` (the later ones
+were freed by their backward). A block's bytes are measured with its policy on every block;
+next to a block under another policy it also keeps what it had shared with it
+(``PolicyCost``, ``_boundary``: a ResNet block's ReLU output is the next block's input), an
+upper bound that a CPU test holds within 8% on ResNet, ConvNeXt and Swin mixes. On CUDA
+``temporaries`` and ``transient`` come from the measured training peak of each policy on
+every block (where the last block's backward runs: backward's temporaries and a checkpointed
+block's recompute, less the gradients not yet allocated then, so ``temporaries`` may be
+negative). The gradients an earlier block's backward finds allocated are taken as offset by
+the temporaries of the loss and head freed by then: on the H200 this model predicted DeiT-S
+and DeiT-B plans' measured peaks within 0.5%. On other devices ``temporaries`` is 0 and a
+checkpointed block's transient its plain bytes (its recompute, an upper bound). The
+predicted step time is ``other_seconds + sum(seconds)``. The choice minimizes the time under
+the budget by a dynamic program over the blocks in order (and the policy of the block
+before), on time counted in units of 1/16384 of the slowest choice's (``_unit``) and bytes
+counted exactly: the predicted peak never exceeds the budget, a plan is found whenever one
+fits (so a larger budget never loses one), and it is the fastest up to that rounding of time
+(less than one unit per block). One Config holds one checkpoint width, so plans with
+``ckpt8``, ``ckpt4`` and ``ckpt`` are solved apart and the fastest is kept.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import copy
 import dataclasses
 import gc
 import math
+import numbers
 import re
 import statistics
 import time
@@ -66,17 +70,33 @@ class PlanError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class PolicyCost:
     """One block under one policy: ``kept`` bytes kept for backward, ``seconds`` of forward
-    and backward, ``transient`` bytes alive in addition while its backward runs."""
+    and backward, ``transient`` bytes alive in addition while its backward runs.
+
+    Measured with the policy on every block, a tensor two blocks keep is counted once, in
+    the first one's ``kept`` (a ResNet block keeps its in-place ReLU's output, which the next
+    block's convolutions keep too, or the codes they reuse). With another policy on the block
+    before, that sharing may not hold: ``borrowed`` is what the block keeps that an earlier
+    block kept first (left out of ``kept``), ``raw_in`` the bytes of its input that it keeps
+    as they are (the previous block's output), ``raw_out`` those of its output that it keeps
+    as they are. See ``_boundary``."""
 
     kept: int
     seconds: float
     transient: int = 0
+    borrowed: int = 0
+    raw_in: int = 0
+    raw_out: int = 0
 
     def __post_init__(self) -> None:
-        if self.kept < 0 or self.transient < 0 or not 0 <= self.seconds < math.inf:
+        if (
+            min(self.kept, self.transient, self.borrowed, self.raw_in, self.raw_out) < 0
+            or not 0 <= self.seconds < math.inf
+        ):
             raise ValueError(
                 f"PolicyCost needs non-negative bytes and finite non-negative seconds, got {self}"
             )
+        if self.raw_in > self.kept + self.borrowed:
+            raise ValueError(f"PolicyCost: raw_in is part of kept + borrowed, got {self}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,14 +211,31 @@ def _fixed(m: Measurements) -> int:
     return m.static + m.outside + m.temporaries
 
 
+def _boundary(m: Measurements, prev: str, p: str, i: int) -> int:
+    """The bytes block ``i`` under ``p`` keeps beyond its ``kept`` after block ``i - 1`` under
+    ``prev`` (0 for the same policy: measured so). What the block borrowed it now keeps itself
+    (an upper bound: a ReLU whose codes the next convolution no longer reuses keeps its bit
+    instead), less the previous block's output when both keep it as it is (one tensor)."""
+    if prev == p:
+        return 0
+    c = m.costs[p][i]
+    return c.borrowed - min(m.costs[prev][i - 1].raw_out, c.raw_in)
+
+
+def _kept(m: Measurements, choice: Sequence[str]) -> list[int]:
+    """The bytes each block keeps under ``choice``, its neighbour's policy counted."""
+    return [m.costs[p][i].kept + (_boundary(m, choice[i - 1], p, i) if i else 0)
+            for i, p in enumerate(choice)]  # fmt: skip
+
+
 def _peak_terms(m: Measurements, choice: Sequence[str]) -> dict[str, int]:
     """The training peak of ``choice`` and its terms: the largest over the blocks, in
     backward order, of what is alive while block ``i``'s backward runs (the fixed terms, the
     bytes kept by blocks ``0..i`` and block ``i``'s transient)."""
     best, prefix = None, 0
-    for i, p in enumerate(choice):
+    for i, (p, kept) in enumerate(zip(choice, _kept(m, choice), strict=True)):
         c = m.costs[p][i]
-        prefix += c.kept
+        prefix += kept
         if best is None or prefix + c.transient > best[0] + best[1]:
             best = (prefix, c.transient)
     return {"static": m.static, "outside": m.outside, "temporaries": m.temporaries,
@@ -216,38 +253,45 @@ def _solve(m: Measurements, budget: int, allowed: tuple[str, ...]):
     """The fastest choice among ``allowed`` whose training peak (``_peak_terms``) is at most
     ``budget``: (seconds, policies) or None. A dynamic program over the blocks in order with
     time in units of ``_unit(m)`` (each block's time rounded to the nearest unit) and bytes
-    exact: ``table[t]`` is the fewest bytes the blocks so far keep in ``t`` units of time,
-    and a policy is allowed at block ``i`` only where those bytes, its own and its transient
-    fit. So a choice is found whenever one fits (exactly, and at every larger budget), and it
-    is the fastest up to the rounding of time (less than one unit per block)."""
+    exact: ``table[k, t]`` is the fewest bytes the blocks so far keep in ``t`` units of time
+    with policy ``k`` on the last of them (what the next block keeps depends on it:
+    ``_boundary``), and a policy is allowed at block ``i`` only where those bytes, its own
+    and its transient fit. So a choice is found whenever one fits (exactly, and at every
+    larger budget), and it is the fastest up to the rounding of time (less than one unit
+    per block)."""
     room = budget - _fixed(m)
     if room < 0:
         return None
     unit = _unit(m)
-    n = len(m.blocks)
+    n, a = len(m.blocks), len(allowed)
     steps = [[round(m.costs[p][i].seconds / unit) for p in allowed] for i in range(n)]
     size = sum(max(s) for s in steps) + 1
     inf = math.inf
-    table = torch.full((size,), inf, dtype=torch.float64)
-    table[0] = 0.0
+    table = torch.full((1, size), inf, dtype=torch.float64)  # no block before the first
+    table[0, 0] = 0.0
     back = []
     for i in range(n):
-        cand = torch.full((len(allowed), size), inf, dtype=torch.float64)
+        cand = torch.full((a, table.shape[0], size), inf, dtype=torch.float64)
         for k, p in enumerate(allowed):
             c, t = m.costs[p][i], steps[i][k]
-            kept = table[: size - t] + c.kept
+            extra = torch.tensor(
+                [_boundary(m, q, p, i) if i else 0 for q in allowed[: table.shape[0]]],
+                dtype=torch.float64,
+            )  # fmt: skip
+            kept = table[:, : size - t] + (c.kept + extra)[:, None]
             kept[kept + c.transient > room] = inf
-            cand[k, t:] = kept
-        table, arg = cand.min(0)
+            cand[k, :, t:] = kept
+        table, arg = cand.min(1)
         back.append(arg)
-    finite = torch.isfinite(table).nonzero()
+    best = table.min(0).values
+    finite = torch.isfinite(best).nonzero()
     if len(finite) == 0:
         return None
     t, choice = int(finite[0]), []
+    k = int(torch.isfinite(table[:, t]).nonzero()[0])
     for i in range(n - 1, -1, -1):
-        k = int(back[i][t])
         choice.append(allowed[k])
-        t -= steps[i][k]
+        k, t = int(back[i][k, t]), t - steps[i][k]
     choice.reverse()
     return sum(m.costs[p][i].seconds for i, p in enumerate(choice)), tuple(choice)
 
@@ -265,18 +309,41 @@ def _best(m: Measurements, budget: int):
     return min(found, key=lambda f: f[0]) if found else None
 
 
+def _fits(m: Measurements, budget: int, allowed: tuple[str, ...]) -> bool:
+    """Whether some choice among ``allowed`` has a training peak of at most ``budget``:
+    ``_solve`` without its time axis (the fewest bytes kept so far, per policy on the last
+    block)."""
+    room = budget - _fixed(m)
+    best: dict[str | None, int] = {None: 0}
+    for i in range(len(m.blocks)):
+        now = {}
+        for p in allowed:
+            c = m.costs[p][i]
+            kept = min(b + c.kept + (_boundary(m, q, p, i) if i else 0) for q, b in best.items())
+            if kept + c.transient <= room:
+                now[p] = kept
+        if not now:
+            return False
+        best = now
+    return True
+
+
 def smallest_budget(m: Measurements) -> int:
     """The smallest budget (bytes, to 1/10,000 of it) for which ``choose`` finds a plan."""
+
+    def fits(budget):
+        return budget >= m.optimizer_peak and any(_fits(m, budget, a) for a in _widths(m))
+
     lo = max(_fixed(m), m.optimizer_peak) - 1
     hi = max(lo + 1, 1)
-    while _best(m, hi) is None:
+    while not fits(hi):
         hi *= 2
     while hi - lo > max(1, hi // 10_000):
         mid = (lo + hi) // 2
-        if _best(m, mid) is None:
-            lo = mid
-        else:
+        if fits(mid):
             hi = mid
+        else:
+            lo = mid
     return hi
 
 
@@ -350,14 +417,15 @@ def plain_peak(m: Measurements) -> int:
 
 
 def _budget_bytes(m: Measurements, budget) -> int:
-    """``budget`` in bytes: an int is bytes; a float in (0, 1] a fraction of ``plain_peak``;
-    a larger float with no fractional part bytes."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+    """``budget`` in bytes: an integer is bytes; a real number in (0, 1] a fraction of
+    ``plain_peak``; a larger one with no fractional part bytes (numpy's scalars too)."""
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
         raise TypeError(
             f"budget must be bytes (an int) or a fraction of the plain peak (a float in "
             f"(0, 1]), got {budget!r}"
         )
-    if isinstance(budget, float):
+    if not isinstance(budget, numbers.Integral):
+        budget = float(budget)
         if not math.isfinite(budget) or budget <= 0:
             raise ValueError(f"budget must be a positive number, got {budget!r}")
         if budget <= 1:
@@ -368,8 +436,14 @@ def _budget_bytes(m: Measurements, budget) -> int:
                 "plain peak are at most 1.0)"
             )
         return int(budget)
+    budget = int(budget)
     if budget <= 0:
         raise ValueError(f"budget must be positive bytes, got {budget}")
+    if budget == 1:
+        raise ValueError(
+            "budget 1 (an int) would be 1 byte: pass 1.0 for the whole plain peak (a float is "
+            "a fraction of it)"
+        )
     return budget
 
 
@@ -387,6 +461,15 @@ def choose(m: Measurements, budget: int | float, base: Config | None = None) -> 
             above the budget, the optimizer step's peak, or the smallest budget a plan fits).
     """
     budget = _budget_bytes(m, budget)
+    if base is not None and base.group_size % 2:
+        odd = [p for p in ("int4", "ckpt4") if p in m.costs]
+        if odd:
+            warnings.warn(
+                f"mesa_lite.planner.choose: {odd} left out: 4-bit codes need an even group "
+                f"size, and the base Config's is {base.group_size}",
+                stacklevel=2,
+            )
+            m = dataclasses.replace(m, costs={p: c for p, c in m.costs.items() if p not in odd})
     if budget < _fixed(m):
         raise PlanError(
             f"budget {_size(budget)} is below the memory no activation policy changes: "
@@ -421,7 +504,7 @@ def choose(m: Measurements, budget: int | float, base: Config | None = None) -> 
         terms={**terms, "optimizer_step": m.optimizer_peak},
         config=to_config(m.blocks, choice, base, m.leaves),
         where="backward" if training >= m.optimizer_peak else "optimizer step",
-        saved=sum(m.costs[p][i].kept for i, p in enumerate(choice)),
+        saved=sum(_kept(m, choice)),
     )
 
 
@@ -444,47 +527,70 @@ def _step_seconds(model, step_fn, optimizer, steps: int, device) -> float:
 @dataclasses.dataclass
 class _Step:
     """One measured training step (bytes): kept per block and outside them, the static memory,
-    and on CUDA the training peak and the optimizer step's peak (0 on other devices)."""
+    and on CUDA the training peak and the optimizer step's peak (0 on other devices); per
+    block also ``borrowed``, ``raw_in`` and ``raw_out`` (see ``PolicyCost``)."""
 
     per_block: dict
     outside: int
     static: int
     training_peak: int = 0
     optimizer_peak: int = 0
+    borrowed: dict = dataclasses.field(default_factory=dict)
+    raw_in: dict = dataclasses.field(default_factory=dict)
+    raw_out: dict = dataclasses.field(default_factory=dict)
+
+
+def _tensor_storages(tree) -> set[int]:
+    """The storages (data pointers) of the tensors in a nested structure of them."""
+    leaves = torch.utils._pytree.tree_leaves(tree)
+    return {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
 
 
 def _kept_by_block(model, step_fn, optimizer, blocks: Sequence[str], device, exclude: int = 0):
     """One training step; the unique storages saved for backward during its forward, split
-    by the block whose forward saved them (``None``: outside the blocks). On CUDA the peaks
+    by the block whose forward saved them first (``None``: outside the blocks), and per block
+    what it saved that an earlier block had saved first, and which of its input and output
+    tensors (those passed from one block to the next) it saved as they are. On CUDA the peaks
     and the static memory are ``torch.cuda`` allocator counts less ``exclude`` bytes (tensors
     allocated now that the planned run will not have: the model ``measure`` copied)."""
     from mesa_lite.breakdown import _finish, _storages
 
     params = _storages(model.parameters(), {})
     owner: dict[int, str | None] = {}
+    savers: dict[int, set[str]] = {}
     sizes: dict[int, int] = {}
+    ins: dict[str, set[int]] = {}
+    outs: dict[str, set[int]] = {}
     current: list[str | None] = [None]
     hooks = []
     modules = dict(model.named_modules())
 
     def enter(name):
-        def hook(module, args):
+        def hook(module, args, kwargs):
+            ins[name] = _tensor_storages((args, kwargs))
             current.append(name)
 
         return hook
 
-    def leave(module, args, out):
-        current.pop()  # a forward hook that returns a value would replace the output
+    def leave(name):
+        def hook(module, args, out):
+            outs[name] = _tensor_storages(out)
+            current.pop()  # a forward hook that returns a value would replace the output
+
+        return hook
 
     for name in blocks:
-        hooks.append(modules[name].register_forward_pre_hook(enter(name)))
-        hooks.append(modules[name].register_forward_hook(leave))
+        hooks.append(modules[name].register_forward_pre_hook(enter(name), with_kwargs=True))
+        hooks.append(modules[name].register_forward_hook(leave(name)))
 
     def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params and st.data_ptr() not in sizes:
-            sizes[st.data_ptr()] = st.nbytes()
-            owner[st.data_ptr()] = current[-1]
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            if ptr not in sizes:
+                sizes[ptr] = t.untyped_storage().nbytes()
+                owner[ptr] = current[-1]
+            if current[-1] is not None:
+                savers.setdefault(ptr, set()).add(current[-1])
         return t.detach()
 
     cuda = device.type == "cuda"
@@ -520,6 +626,22 @@ def _kept_by_block(model, step_fn, optimizer, blocks: Sequence[str], device, exc
             step.outside += sizes[ptr]
         else:
             step.per_block[n] += sizes[ptr]
+    step.borrowed = {n: 0 for n in blocks}
+    for ptr, names in savers.items():
+        for n in names - {owner[ptr]}:
+            if owner[ptr] is not None:  # first kept by an earlier block
+                step.borrowed[n] += sizes[ptr]
+    step.raw_in = {n: 0 for n in blocks}
+    step.raw_out = {n: 0 for n in blocks}
+    for before, n in zip(blocks[:-1], blocks[1:], strict=True):
+        # the tensors passed from one block to the next, and which side keeps them as they are
+        for ptr in outs.get(before, set()) & ins.get(n, set()):
+            if owner.get(ptr) is None:  # not kept, or first kept outside the blocks
+                continue
+            if before in savers[ptr]:
+                step.raw_out[before] += sizes[ptr]
+            if n in savers[ptr]:
+                step.raw_in[n] += sizes[ptr]
     return step
 
 
@@ -644,6 +766,9 @@ def measure(
                 transient[p]
                 if device.type == "cuda" or p not in _WIDTHS
                 else steps["plain"].per_block[n],
+                steps[p].borrowed[n],
+                steps[p].raw_in[n],
+                steps[p].raw_out[n],
             )  # fmt: skip
             for n in blocks
         )
