@@ -22,22 +22,26 @@ its blocks; what backward adds to the kept bytes, split in a fixed part (``tempo
 and a part per policy (``transient``); and the bytes kept by blocks ``0..i`` (the later ones
 were freed by their backward). A block's bytes are measured with its policy on every block;
 next to a block under another policy it also keeps what it had shared with it
-(``PolicyCost``, ``_boundary``: a ResNet block's ReLU output is the next block's input), an
-upper bound that a CPU test holds within 8% on ResNet, ConvNeXt and Swin mixes. On CUDA
-``temporaries`` and ``transient`` come from the measured training peak of each policy on
-every block (where the last block's backward runs: backward's temporaries and a checkpointed
-block's recompute, less the gradients not yet allocated then, so ``temporaries`` may be
-negative). The gradients an earlier block's backward finds allocated are taken as offset by
-the temporaries of the loss and head freed by then: on the H200 this model predicted DeiT-S
-and DeiT-B plans' measured peaks within 0.5%. On other devices ``temporaries`` is 0 and a
-checkpointed block's transient its plain bytes (its recompute, an upper bound). The
-predicted step time is ``other_seconds + sum(seconds)``. The choice minimizes the time under
-the budget by a dynamic program over the blocks in order (and the policy of the block
-before), on time counted in units of 1/16384 of the slowest choice's (``_unit``) and bytes
-counted exactly: the predicted peak never exceeds the budget, a plan is found whenever one
-fits (so a larger budget never loses one), and it is the fastest up to that rounding of time
-(less than one unit per block). One Config holds one checkpoint width, so plans with
-``ckpt8``, ``ckpt4`` and ``ckpt`` are solved apart and the fastest is kept.
+(``PolicyCost``, ``_boundary``: a ResNet block's ReLU output is the next block's input; each
+tensor passed between blocks apart), and in a plan of more than one policy what it shared
+with a block further back (``_extra``). What is kept outside the blocks is taken at its
+largest before them and after them apart (a stem's ReLU depends on the first block's policy,
+a head on the last's). Upper bounds: CPU tests hold ResNet, ConvNeXt and Swin mixes within
+8% of the kept bytes, never below. On CUDA ``temporaries`` and ``transient`` come from the
+measured training peak of each policy on every block (where the last block's backward runs:
+backward's temporaries and a checkpointed block's recompute, less the gradients not yet
+allocated then, so ``temporaries`` may be negative). The gradients an earlier block's
+backward finds allocated are taken as offset by the temporaries of the loss and head freed
+by then: on the H200 this model predicted DeiT-S and DeiT-B plans' measured peaks within
+0.5%. On other devices ``temporaries`` is 0 and a checkpointed block's transient its plain
+bytes (its recompute, an upper bound). The predicted step time is ``other_seconds +
+sum(seconds)``. The choice minimizes the time under the budget by a dynamic program over the
+blocks in order (and the policy of the block before), on time counted in units of 1/16384 of
+the slowest choice's (``_unit``) and bytes counted exactly: the predicted peak never exceeds
+the budget, a plan is found whenever one fits (so a larger budget never loses one), and it
+is the fastest up to that rounding of time (less than one unit per block). One Config holds
+one checkpoint width, so plans with ``ckpt8``, ``ckpt4`` and ``ckpt`` are solved apart and
+the fastest is kept.
 """
 
 from __future__ import annotations
@@ -76,26 +80,41 @@ class PolicyCost:
     the first one's ``kept`` (a ResNet block keeps its in-place ReLU's output, which the next
     block's convolutions keep too, or the codes they reuse). With another policy on the block
     before, that sharing may not hold: ``borrowed`` is what the block keeps that an earlier
-    block kept first (left out of ``kept``), ``raw_in`` the bytes of its input that it keeps
-    as they are (the previous block's output), ``raw_out`` those of its output that it keeps
-    as they are. See ``_boundary``."""
+    block kept first (left out of ``kept``): the block just before (``borrowed``) or one
+    further back (``borrowed_far``, a tensor every block reads, such as rotary tables or an
+    encoder's output); ``raw_in[k]`` the bytes of the previous block's
+    ``k``-th output tensor that this block keeps as they are (its input), ``raw_out[k]``
+    those of its own ``k``-th output tensor that it keeps as they are (an int: one tensor).
+    See ``_boundary``."""
 
     kept: int
     seconds: float
     transient: int = 0
     borrowed: int = 0
-    raw_in: int = 0
-    raw_out: int = 0
+    raw_in: tuple[int, ...] = ()
+    raw_out: tuple[int, ...] = ()
+    borrowed_far: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("raw_in", "raw_out"):  # an int is one tensor; JSON gives lists
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, int) else tuple(value))
         if (
-            min(self.kept, self.transient, self.borrowed, self.raw_in, self.raw_out) < 0
+            min(
+                self.kept,
+                self.transient,
+                self.borrowed,
+                self.borrowed_far,
+                *self.raw_in,
+                *self.raw_out,
+            )
+            < 0
             or not 0 <= self.seconds < math.inf
         ):
             raise ValueError(
                 f"PolicyCost needs non-negative bytes and finite non-negative seconds, got {self}"
             )
-        if self.raw_in > self.kept + self.borrowed:
+        if sum(self.raw_in) > self.kept + self.borrowed:
             raise ValueError(f"PolicyCost: raw_in is part of kept + borrowed, got {self}")
 
 
@@ -215,17 +234,35 @@ def _boundary(m: Measurements, prev: str, p: str, i: int) -> int:
     """The bytes block ``i`` under ``p`` keeps beyond its ``kept`` after block ``i - 1`` under
     ``prev`` (0 for the same policy: measured so). What the block borrowed it now keeps itself
     (an upper bound: a ReLU whose codes the next convolution no longer reuses keeps its bit
-    instead), less the previous block's output when both keep it as it is (one tensor)."""
+    instead), less each of the previous block's output tensors that both keep as it is."""
     if prev == p:
         return 0
     c = m.costs[p][i]
-    return c.borrowed - min(m.costs[prev][i - 1].raw_out, c.raw_in)
+    both = zip(m.costs[prev][i - 1].raw_out, c.raw_in, strict=False)  # per tensor passed
+    return c.borrowed - sum(min(out, kept) for out, kept in both)
+
+
+def _extra(m: Measurements, state, p: str, i: int):
+    """Block ``i`` under ``p`` after the blocks before it, whose state is ``(policy of the
+    last, whether all had one policy)`` (None before the first block): the new state and
+    the bytes the block keeps beyond its ``kept``: ``_boundary``'s, and unless every block
+    so far has one policy (as measured) what it borrowed from a block further back (an
+    upper bound: that block may share its policy)."""
+    if state is None:
+        return (p, True), 0
+    prev, uniform = state
+    uniform = uniform and prev == p
+    far = 0 if uniform else m.costs[p][i].borrowed_far
+    return (p, uniform), _boundary(m, prev, p, i) + far
 
 
 def _kept(m: Measurements, choice: Sequence[str]) -> list[int]:
-    """The bytes each block keeps under ``choice``, its neighbour's policy counted."""
-    return [m.costs[p][i].kept + (_boundary(m, choice[i - 1], p, i) if i else 0)
-            for i, p in enumerate(choice)]  # fmt: skip
+    """The bytes each block keeps under ``choice``, its neighbours' policies counted."""
+    out, state = [], None
+    for i, p in enumerate(choice):
+        state, extra = _extra(m, state, p, i)
+        out.append(m.costs[p][i].kept + extra)
+    return out
 
 
 def _peak_terms(m: Measurements, choice: Sequence[str]) -> dict[str, int]:
@@ -263,35 +300,41 @@ def _solve(m: Measurements, budget: int, allowed: tuple[str, ...]):
     if room < 0:
         return None
     unit = _unit(m)
-    n, a = len(m.blocks), len(allowed)
+    n = len(m.blocks)
     steps = [[round(m.costs[p][i].seconds / unit) for p in allowed] for i in range(n)]
     size = sum(max(s) for s in steps) + 1
     inf = math.inf
+    # the states of ``_extra``: a policy on the last block, all blocks so far under it or not
+    states = [(p, u) for u in (False, True) for p in allowed]
     table = torch.full((1, size), inf, dtype=torch.float64)  # no block before the first
     table[0, 0] = 0.0
+    before: list = [None]
     back = []
     for i in range(n):
-        cand = torch.full((a, table.shape[0], size), inf, dtype=torch.float64)
-        for k, p in enumerate(allowed):
-            c, t = m.costs[p][i], steps[i][k]
-            extra = torch.tensor(
-                [_boundary(m, q, p, i) if i else 0 for q in allowed[: table.shape[0]]],
-                dtype=torch.float64,
-            )  # fmt: skip
+        cand = torch.full((len(states), len(before), size), inf, dtype=torch.float64)
+        for r, (p, u) in enumerate(states):
+            c, t = m.costs[p][i], steps[i][allowed.index(p)]
+            extra = torch.full((len(before),), inf, dtype=torch.float64)
+            for j, state in enumerate(before):
+                to, e = _extra(m, state, p, i)
+                if to == (p, u):
+                    extra[j] = e
             kept = table[:, : size - t] + (c.kept + extra)[:, None]
             kept[kept + c.transient > room] = inf
-            cand[k, :, t:] = kept
+            cand[r, :, t:] = kept
         table, arg = cand.min(1)
         back.append(arg)
+        before = states
     best = table.min(0).values
     finite = torch.isfinite(best).nonzero()
     if len(finite) == 0:
         return None
     t, choice = int(finite[0]), []
-    k = int(torch.isfinite(table[:, t]).nonzero()[0])
+    r = int(torch.isfinite(table[:, t]).nonzero()[0])
     for i in range(n - 1, -1, -1):
-        choice.append(allowed[k])
-        k, t = int(back[i][k, t]), t - steps[i][k]
+        p = states[r][0]
+        choice.append(p)
+        r, t = int(back[i][r, t]), t - steps[i][allowed.index(p)]
     choice.reverse()
     return sum(m.costs[p][i].seconds for i, p in enumerate(choice)), tuple(choice)
 
@@ -314,14 +357,16 @@ def _fits(m: Measurements, budget: int, allowed: tuple[str, ...]) -> bool:
     ``_solve`` without its time axis (the fewest bytes kept so far, per policy on the last
     block)."""
     room = budget - _fixed(m)
-    best: dict[str | None, int] = {None: 0}
+    best: dict = {None: 0}  # state (see ``_extra``) -> the fewest bytes kept
     for i in range(len(m.blocks)):
-        now = {}
-        for p in allowed:
-            c = m.costs[p][i]
-            kept = min(b + c.kept + (_boundary(m, q, p, i) if i else 0) for q, b in best.items())
-            if kept + c.transient <= room:
-                now[p] = kept
+        now: dict = {}
+        for state, b in best.items():
+            for p in allowed:
+                c = m.costs[p][i]
+                to, extra = _extra(m, state, p, i)
+                kept = b + c.kept + extra
+                if kept + c.transient <= room and kept < now.get(to, math.inf):
+                    now[to] = kept
         if not now:
             return False
         best = now
@@ -536,14 +581,18 @@ class _Step:
     training_peak: int = 0
     optimizer_peak: int = 0
     borrowed: dict = dataclasses.field(default_factory=dict)
+    borrowed_far: dict = dataclasses.field(default_factory=dict)
     raw_in: dict = dataclasses.field(default_factory=dict)
     raw_out: dict = dataclasses.field(default_factory=dict)
+    outside_after: int = 0  # the part of ``outside`` kept after the first block began
 
 
-def _tensor_storages(tree) -> set[int]:
-    """The storages (data pointers) of the tensors in a nested structure of them."""
+def _tensor_storages(tree) -> list[int]:
+    """The storages (data pointers) of the tensors in a nested structure of them, each once,
+    in the order of the tensors."""
     leaves = torch.utils._pytree.tree_leaves(tree)
-    return {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+    ptrs = [t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)]
+    return list(dict.fromkeys(ptrs))
 
 
 def _kept_by_block(model, step_fn, optimizer, blocks: Sequence[str], device, exclude: int = 0):
@@ -560,14 +609,17 @@ def _kept_by_block(model, step_fn, optimizer, blocks: Sequence[str], device, exc
     savers: dict[int, set[str]] = {}
     sizes: dict[int, int] = {}
     ins: dict[str, set[int]] = {}
-    outs: dict[str, set[int]] = {}
+    outs: dict[str, list[int]] = {}
     current: list[str | None] = [None]
+    started = [False]  # a block's forward has begun: what is kept outside now comes after them
+    after: set[int] = set()
     hooks = []
     modules = dict(model.named_modules())
 
     def enter(name):
         def hook(module, args, kwargs):
-            ins[name] = _tensor_storages((args, kwargs))
+            ins[name] = set(_tensor_storages((args, kwargs)))
+            started[0] = True
             current.append(name)
 
         return hook
@@ -589,6 +641,8 @@ def _kept_by_block(model, step_fn, optimizer, blocks: Sequence[str], device, exc
             if ptr not in sizes:
                 sizes[ptr] = t.untyped_storage().nbytes()
                 owner[ptr] = current[-1]
+                if current[-1] is None and started[0]:
+                    after.add(ptr)
             if current[-1] is not None:
                 savers.setdefault(ptr, set()).add(current[-1])
         return t.detach()
@@ -624,24 +678,32 @@ def _kept_by_block(model, step_fn, optimizer, blocks: Sequence[str], device, exc
     for ptr, n in owner.items():
         if n is None:
             step.outside += sizes[ptr]
+            step.outside_after += sizes[ptr] if ptr in after else 0
         else:
             step.per_block[n] += sizes[ptr]
     step.borrowed = {n: 0 for n in blocks}
+    step.borrowed_far = {n: 0 for n in blocks}
+    previous = dict(zip(blocks[1:], blocks[:-1], strict=True))
     for ptr, names in savers.items():
         for n in names - {owner[ptr]}:
-            if owner[ptr] is not None:  # first kept by an earlier block
-                step.borrowed[n] += sizes[ptr]
-    step.raw_in = {n: 0 for n in blocks}
-    step.raw_out = {n: 0 for n in blocks}
-    for before, n in zip(blocks[:-1], blocks[1:], strict=True):
-        # the tensors passed from one block to the next, and which side keeps them as they are
-        for ptr in outs.get(before, set()) & ins.get(n, set()):
-            if owner.get(ptr) is None:  # not kept, or first kept outside the blocks
+            if owner[ptr] is None:  # first kept outside the blocks: counted there
                 continue
-            if before in savers[ptr]:
-                step.raw_out[before] += sizes[ptr]
-            if n in savers[ptr]:
-                step.raw_in[n] += sizes[ptr]
+            if owner[ptr] == previous.get(n):
+                step.borrowed[n] += sizes[ptr]
+            else:  # first kept by a block further back
+                step.borrowed_far[n] += sizes[ptr]
+    step.raw_in = {n: () for n in blocks}
+    step.raw_out = {n: () for n in blocks}
+    for before, n in zip(blocks[:-1], blocks[1:], strict=True):
+        # per output tensor of a block that the next one reads: which side keeps it as it is
+        passed = outs.get(before, [])
+        raw_out, raw_in = [0] * len(passed), [0] * len(passed)
+        for k, ptr in enumerate(passed):
+            if ptr not in ins.get(n, ()) or owner.get(ptr) is None:
+                continue  # not passed to it, not kept, or first kept outside the blocks
+            raw_out[k] = sizes[ptr] if before in savers[ptr] else 0
+            raw_in[k] = sizes[ptr] if n in savers[ptr] else 0
+        step.raw_out[before], step.raw_in[n] = tuple(raw_out), tuple(raw_in)
     return step
 
 
@@ -745,15 +807,21 @@ def measure(
         del m, opt
         gc.collect()
     static = max(s.static for s in steps.values())
-    outside = max(s.outside for s in steps.values())
+    # what is kept outside the blocks before them depends on the first block's policy (a
+    # stem ReLU keeps the codes its convolutions reuse), after them on the last's: each part
+    # at its largest, as a mix may have both
+    outside = max(s.outside - s.outside_after for s in steps.values()) + max(
+        s.outside_after for s in steps.values()
+    )
     temporaries = 0
     transient = {p: 0 for p in policies}
     if device.type == "cuda":
-        # each policy's measured training peak less static, outside and kept: what backward
-        # adds (its temporaries, a checkpointed block's recompute, less the gradients not yet
-        # allocated at the peak); the smallest is the fixed term, the rest each policy's
-        # transient, so that one policy on every block predicts its measured peak
-        extra = {p: s.training_peak - static - outside - sum(s.per_block.values())
+        # each policy's measured training peak less static, its outside and kept: what
+        # backward adds (its temporaries, a checkpointed block's recompute, less the gradients
+        # not yet allocated at the peak); the smallest is the fixed term, the rest each
+        # policy's transient, so that one policy on every block predicts its measured peak
+        # (more by what ``outside`` holds beyond its own)
+        extra = {p: s.training_peak - static - s.outside - sum(s.per_block.values())
                  for p, s in steps.items()}  # fmt: skip
         temporaries = min(extra.values())
         transient = {p: e - temporaries for p, e in extra.items()}
@@ -769,6 +837,7 @@ def measure(
                 steps[p].borrowed[n],
                 steps[p].raw_in[n],
                 steps[p].raw_out[n],
+                steps[p].borrowed_far[n],
             )  # fmt: skip
             for n in blocks
         )

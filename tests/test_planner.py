@@ -56,14 +56,17 @@ def _measurements(n=5, jitter=True):
 
 
 def _block_bytes(m: Measurements, choice) -> list[int]:
-    """What each block keeps under ``choice``: its measured bytes, and after a block under
-    another policy also what it borrowed, less the tensor passed between them if both keep
-    it as it is."""
+    """What each block keeps under ``choice``: its measured bytes; after a block under
+    another policy also what it borrowed from it, less the tensors passed between them that
+    both keep as they are; and unless all blocks up to it have one policy, what it borrowed
+    from blocks further back."""
     cs = [m.costs[p][i] for i, p in enumerate(choice)]
     out = [cs[0].kept]
     for i in range(1, len(cs)):
         apart = choice[i] != choice[i - 1]
-        out.append(cs[i].kept + (cs[i].borrowed - min(cs[i - 1].raw_out, cs[i].raw_in)) * apart)
+        both = sum(min(o, k) for o, k in zip(cs[i - 1].raw_out, cs[i].raw_in, strict=False))
+        mixed = len(set(choice[: i + 1])) > 1
+        out.append(cs[i].kept + (cs[i].borrowed - both) * apart + cs[i].borrowed_far * mixed)
     return out
 
 
@@ -206,8 +209,11 @@ def test_the_choice_against_brute_force_on_seeded_random_blocks(shared):
             if not shared:
                 return PolicyCost(kept, x[1], transient)
             borrowed = int(40 * MIB * x[3])
-            raw = int(30 * MIB * x[4]) * (x[5] > 0.5)  # the passed tensor, kept as it is or not
-            return PolicyCost(kept + raw, x[1], transient, borrowed, raw_in=raw, raw_out=raw)
+            # two tensors passed between blocks, each kept as it is or not, on either side
+            raw = int(30 * MIB * x[4])
+            raw_in, raw_out = (raw * (x[5] > 0.5), raw * (x[5] < 0.3)), (raw * (x[5] > 0.2), 0)
+            far = int(20 * MIB * x[3] * x[4]) * (i > 1)
+            return PolicyCost(kept + sum(raw_in), x[1], transient, borrowed, raw_in, raw_out, far)
 
         costs = {p: tuple(cost(i, k, p) for i in range(4)) for k, p in enumerate(POLICIES)}
         m = Measurements(blocks=tuple("abcd"), costs=costs, static=10 * MIB)
@@ -533,3 +539,68 @@ def test_measure_and_plan_other_timm_families(name):
         kept, out = saved_activation_bytes(lambda w=wrapped: w(x), list(wrapped.parameters()))
         predicted = m.outside + sum(_block_bytes(m, choice))
         assert kept <= predicted <= 1.08 * kept, (choice, kept, predicted)
+
+
+class _TwoTensors(torch.nn.Module):
+    """Blocks passing two tensors: plain keeps ``a`` as it is (the ReLU's output), int8 keeps
+    ``b`` as it is (a plain multiply)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.l1, self.act, self.l2 = torch.nn.Linear(d, d), torch.nn.ReLU(), torch.nn.Linear(d, d)
+
+    def forward(self, a, b):
+        return self.act(self.l1(a)), self.l2(b) * b
+
+
+class _Reads(torch.nn.Module):
+    """A block reading a context tensor ``c`` (``uses``) or not."""
+
+    def __init__(self, d, uses):
+        super().__init__()
+        self.l, self.lc = torch.nn.Linear(d, d), torch.nn.Linear(d, d) if uses else None
+
+    def forward(self, h, c):
+        return h + self.l(h) + (self.lc(c) if self.lc is not None else 0)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, kind, d=32):
+        super().__init__()
+        self.kind, self.inp = kind, torch.nn.Linear(d, 2 * d)
+        if kind == "two tensors":
+            self.blocks = torch.nn.ModuleList(_TwoTensors(d) for _ in range(4))
+        else:  # blocks 0 and 2 read c, made outside: block 2 shares it with block 0
+            self.blocks = torch.nn.ModuleList(_Reads(d, i % 2 == 0) for i in range(4))
+
+    def forward(self, x):
+        a, b = (t.contiguous() for t in self.inp(x).chunk(2, -1))
+        for block in self.blocks:
+            a, b = block(a, b) if self.kind == "two tensors" else (block(a, b), b)
+        return a + b
+
+
+@pytest.mark.parametrize("kind", ["two tensors", "context"])
+def test_mixes_of_blocks_sharing_several_tensors_or_one_further_back(kind):
+    """Found in review: blocks passing two tensors, each kept as it is by another policy
+    (counted as one, 12% under), and a tensor a block shares with a block two back (17%
+    under). Every mix of plain and int8: the prediction is never below the kept bytes, and
+    above them at most by the context tensor counted again where a block between (under
+    another policy) hides that its reader shares it (up to 21% of these tiny blocks)."""
+    from mesa_lite.planner import _kept, measure
+
+    torch.manual_seed(0)
+    net = _Net(kind).train()
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    blocks = [f"blocks.{i}" for i in range(4)]
+    m = measure(net, lambda mdl: mdl(x).square().mean(), timed=1, blocks=blocks,
+                policies=("plain", "int8"))  # fmt: skip
+    for choice in itertools.product(("plain", "int8"), repeat=4):
+        wrapped = mesa_lite.wrap(copy.deepcopy(net), to_config(m.blocks, choice))
+        for _ in range(2):
+            wrapped(x).square().mean().backward()
+        kept, out = saved_activation_bytes(
+            lambda w=wrapped: w(x).square().mean(), list(wrapped.parameters())
+        )  # (the loss's forward too, as measured)
+        predicted = m.outside + sum(_kept(m, choice))
+        assert kept <= predicted <= 1.25 * kept, (choice, kept, predicted)
