@@ -311,19 +311,25 @@ def _solve(m: Measurements, budget: int, allowed: tuple[str, ...]):
     before: list = [None]
     back = []
     for i in range(n):
-        cand = torch.full((len(states), len(before), size), inf, dtype=torch.float64)
-        for r, (p, u) in enumerate(states):
+        rows, args = [], []
+        for p, u in states:
             c, t = m.costs[p][i], steps[i][allowed.index(p)]
-            extra = torch.full((len(before),), inf, dtype=torch.float64)
-            for j, state in enumerate(before):
-                to, e = _extra(m, state, p, i)
-                if to == (p, u):
-                    extra[j] = e
-            kept = table[:, : size - t] + (c.kept + extra)[:, None]
-            kept[kept + c.transient > room] = inf
-            cand[r, :, t:] = kept
-        table, arg = cand.min(1)
-        back.append(arg)
+            # the states before from which block i under p reaches (p, u), and its bytes
+            came = [(j, e) for j, state in enumerate(before)
+                    for to, e in [_extra(m, state, p, i)] if to == (p, u)]  # fmt: skip
+            row = torch.full((size,), inf, dtype=torch.float64)
+            arg = torch.zeros((size,), dtype=torch.long)
+            if came:
+                index = torch.tensor([j for j, _ in came])
+                extra = torch.tensor([e for _, e in came], dtype=torch.float64)
+                kept = table[index, : size - t] + (c.kept + extra)[:, None]
+                kept[kept + c.transient > room] = inf
+                low, at = kept.min(0)
+                row[t:], arg[t:] = low, index[at]
+            rows.append(row)
+            args.append(arg)
+        table = torch.stack(rows)
+        back.append(torch.stack(args))
         before = states
     best = table.min(0).values
     finite = torch.isfinite(best).nonzero()
