@@ -79,13 +79,12 @@ class PolicyCost:
     Measured with the policy on every block, a tensor two blocks keep is counted once, in
     the first one's ``kept`` (a ResNet block keeps its in-place ReLU's output, which the next
     block's convolutions keep too, or the codes they reuse). With another policy on the block
-    before, that sharing may not hold: ``borrowed`` is what the block keeps that an earlier
-    block kept first (left out of ``kept``): the block just before (``borrowed``) or one
-    further back (``borrowed_far``, a tensor every block reads, such as rotary tables or an
-    encoder's output); ``raw_in[k]`` the bytes of the previous block's
-    ``k``-th output tensor that this block keeps as they are (its input), ``raw_out[k]``
-    those of its own ``k``-th output tensor that it keeps as they are (an int: one tensor).
-    See ``_boundary``."""
+    before, that sharing may not hold. Left out of ``kept``, what the block keeps that an
+    earlier block kept first: ``borrowed`` from the block just before, ``borrowed_far`` from
+    one further back (a tensor every block reads, such as rotary tables or an encoder's
+    output). ``raw_in[k]``: the bytes of the previous block's ``k``-th output tensor that
+    this block keeps as they are (its input); ``raw_out[k]``: those of its own ``k``-th
+    output tensor that it keeps as they are (an int: one tensor). See ``_extra``."""
 
     kept: int
     seconds: float
@@ -360,8 +359,8 @@ def _best(m: Measurements, budget: int):
 
 def _fits(m: Measurements, budget: int, allowed: tuple[str, ...]) -> bool:
     """Whether some choice among ``allowed`` has a training peak of at most ``budget``:
-    ``_solve`` without its time axis (the fewest bytes kept so far, per policy on the last
-    block)."""
+    ``_solve`` without its time axis (the fewest bytes kept so far, per state of
+    ``_extra``)."""
     room = budget - _fixed(m)
     best: dict = {None: 0}  # state (see ``_extra``) -> the fewest bytes kept
     for i in range(len(m.blocks)):
@@ -498,6 +497,20 @@ def _budget_bytes(m: Measurements, budget) -> int:
     return budget
 
 
+def _even_groups_only(policies: tuple[str, ...], base: Config | None, caller: str):
+    """``policies`` less the 4-bit ones when ``base``'s group size is odd (4-bit codes pack
+    two per byte), with a warning naming them."""
+    size = (base or Config()).group_size
+    odd = [p for p in policies if p.endswith("4")] if size % 2 else []
+    if odd:
+        warnings.warn(
+            f"mesa_lite.planner.{caller}: {odd} left out: 4-bit codes need an even group size, "
+            f"and the base Config's is {size}",
+            stacklevel=3,
+        )
+    return tuple(p for p in policies if p not in odd)
+
+
 def choose(m: Measurements, budget: int | float, base: Config | None = None) -> Plan:
     """The fastest per-block policies whose predicted peak is at most ``budget``.
 
@@ -512,15 +525,9 @@ def choose(m: Measurements, budget: int | float, base: Config | None = None) -> 
             above the budget, the optimizer step's peak, or the smallest budget a plan fits).
     """
     budget = _budget_bytes(m, budget)
-    if base is not None and base.group_size % 2:
-        odd = [p for p in ("int4", "ckpt4") if p in m.costs]
-        if odd:
-            warnings.warn(
-                f"mesa_lite.planner.choose: {odd} left out: 4-bit codes need an even group "
-                f"size, and the base Config's is {base.group_size}",
-                stacklevel=2,
-            )
-            m = dataclasses.replace(m, costs={p: c for p, c in m.costs.items() if p not in odd})
+    usable = _even_groups_only(tuple(m.costs), base, "choose")
+    if len(usable) < len(m.costs):
+        m = dataclasses.replace(m, costs={p: m.costs[p] for p in usable})
     if budget < _fixed(m):
         raise PlanError(
             f"budget {_size(budget)} is below the memory no activation policy changes: "
@@ -579,7 +586,8 @@ def _step_seconds(model, step_fn, optimizer, steps: int, device) -> float:
 class _Step:
     """One measured training step (bytes): kept per block and outside them, the static memory,
     and on CUDA the training peak and the optimizer step's peak (0 on other devices); per
-    block also ``borrowed``, ``raw_in`` and ``raw_out`` (see ``PolicyCost``)."""
+    block also ``borrowed``, ``borrowed_far``, ``raw_in`` and ``raw_out`` (see
+    ``PolicyCost``)."""
 
     per_block: dict
     outside: int
@@ -593,14 +601,6 @@ class _Step:
     outside_after: int = 0  # the part of ``outside`` kept after the first block began
 
 
-def _tensor_storages(tree) -> list[int]:
-    """The storages (data pointers) of the tensors in a nested structure of them, each once,
-    in the order of the tensors."""
-    leaves = torch.utils._pytree.tree_leaves(tree)
-    ptrs = [t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)]
-    return list(dict.fromkeys(ptrs))
-
-
 def _kept_by_block(model, step_fn, optimizer, blocks: Sequence[str], device, exclude: int = 0):
     """One training step; the unique storages saved for backward during its forward, split
     by the block whose forward saved them first (``None``: outside the blocks), and per block
@@ -608,6 +608,8 @@ def _kept_by_block(model, step_fn, optimizer, blocks: Sequence[str], device, exc
     tensors (those passed from one block to the next) it saved as they are. On CUDA the peaks
     and the static memory are ``torch.cuda`` allocator counts less ``exclude`` bytes (tensors
     allocated now that the planned run will not have: the model ``measure`` copied)."""
+    from torch.utils._pytree import tree_leaves
+
     from mesa_lite.breakdown import _finish, _storages
 
     params = _storages(model.parameters(), {})
@@ -624,7 +626,7 @@ def _kept_by_block(model, step_fn, optimizer, blocks: Sequence[str], device, exc
 
     def enter(name):
         def hook(module, args, kwargs):
-            ins[name] = set(_tensor_storages((args, kwargs)))
+            ins[name] = set(_storages(tree_leaves((args, kwargs)), {}))
             started[0] = True
             current.append(name)
 
@@ -632,7 +634,7 @@ def _kept_by_block(model, step_fn, optimizer, blocks: Sequence[str], device, exc
 
     def leave(name):
         def hook(module, args, out):
-            outs[name] = _tensor_storages(out)
+            outs[name] = list(_storages(tree_leaves(out), {}))  # in the outputs' order
             current.pop()  # a forward hook that returns a value would replace the output
 
         return hook
@@ -642,10 +644,11 @@ def _kept_by_block(model, step_fn, optimizer, blocks: Sequence[str], device, exc
         hooks.append(modules[name].register_forward_hook(leave(name)))
 
     def pack(t):
-        ptr = t.untyped_storage().data_ptr()
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
         if ptr not in params:
             if ptr not in sizes:
-                sizes[ptr] = t.untyped_storage().nbytes()
+                sizes[ptr] = st.nbytes()
                 owner[ptr] = current[-1]
                 if current[-1] is None and started[0]:
                     after.add(ptr)
@@ -772,14 +775,7 @@ def measure(
     policies = tuple(policies)
     if not policies:
         raise ValueError(f"measure: policies must name some of {list(POLICIES)}")
-    odd = [p for p in policies if p.endswith("4") and (base or Config()).group_size % 2]
-    if odd:
-        warnings.warn(
-            f"mesa_lite.planner.measure: {odd} skipped: 4-bit codes need an even group size, "
-            f"and the base Config's is {(base or Config()).group_size}",
-            stacklevel=2,
-        )
-        policies = tuple(p for p in policies if p not in odd)
+    policies = _even_groups_only(policies, base, "measure")
     if any(p.startswith("ckpt") for p in policies) and "plain" not in policies:
         raise ValueError("measure: the checkpointing policies need 'plain' measured too")
     modules = dict(model.named_modules())
