@@ -533,12 +533,22 @@ def test_measure_and_plan_other_timm_families(name):
         for p, q in itertools.permutations(("plain", "int8", "ckpt"), 2)
     ]
     for choice in mixes:
-        wrapped = mesa_lite.wrap(copy.deepcopy(model), to_config(m.blocks, choice, base, m.leaves))
-        for _ in range(2):  # the ReLUs learn in training whether the next layer reuses codes
-            wrapped(x).square().mean().backward()
-        kept, out = saved_activation_bytes(lambda w=wrapped: w(x), list(wrapped.parameters()))
+        kept = _kept_in_training(model, to_config(m.blocks, choice, base, m.leaves), x)
         predicted = m.outside + sum(_block_bytes(m, choice))
         assert kept <= predicted <= 1.08 * kept, (choice, kept, predicted)
+
+
+def _kept_in_training(model, config, x) -> int:
+    """Bytes a copy of ``model`` wrapped with ``config`` keeps in the forward of its third
+    training step (``model(x).square().mean()``, the step ``measure`` was given): the ReLUs
+    learn in training whether the next layer reuses their codes."""
+    wrapped = mesa_lite.wrap(copy.deepcopy(model), config)
+    for _ in range(2):
+        wrapped(x).square().mean().backward()
+    kept, out = saved_activation_bytes(
+        lambda: wrapped(x).square().mean(), list(wrapped.parameters())
+    )
+    return kept
 
 
 class _TwoTensors(torch.nn.Module):
@@ -587,7 +597,7 @@ def test_mixes_of_blocks_sharing_several_tensors_or_one_further_back(kind):
     under). Every mix of plain and int8: the prediction is never below the kept bytes, and
     above them at most by the context tensor counted again where a block between (under
     another policy) hides that its reader shares it (up to 21% of these tiny blocks)."""
-    from mesa_lite.planner import _kept, measure
+    from mesa_lite.planner import measure
 
     torch.manual_seed(0)
     net = _Net(kind).train()
@@ -596,11 +606,6 @@ def test_mixes_of_blocks_sharing_several_tensors_or_one_further_back(kind):
     m = measure(net, lambda mdl: mdl(x).square().mean(), timed=1, blocks=blocks,
                 policies=("plain", "int8"))  # fmt: skip
     for choice in itertools.product(("plain", "int8"), repeat=4):
-        wrapped = mesa_lite.wrap(copy.deepcopy(net), to_config(m.blocks, choice))
-        for _ in range(2):
-            wrapped(x).square().mean().backward()
-        kept, out = saved_activation_bytes(
-            lambda w=wrapped: w(x).square().mean(), list(wrapped.parameters())
-        )  # (the loss's forward too, as measured)
-        predicted = m.outside + sum(_kept(m, choice))
+        kept = _kept_in_training(net, to_config(m.blocks, choice), x)
+        predicted = m.outside + sum(_block_bytes(m, choice))
         assert kept <= predicted <= 1.25 * kept, (choice, kept, predicted)
