@@ -22,7 +22,7 @@ setup(
     # so there is no top-level `kernels` or `benchmarks` import after install.
     package_dir={"mesa_lite.kernels": "kernels", "mesa_lite.benchmarks": "benchmarks"},
     install_requires=[
-        "torch>=2.4",
+        "torch>=2.11",  # the oldest tested (README)
         # Triton ships with torch's Linux builds; elsewhere the PyTorch reference runs.
         "triton>=3.0; platform_system == 'Linux' and platform_machine == 'x86_64'",
     ],

@@ -81,6 +81,28 @@ MODES = {
     "ckpt8": "mesa_lite.wrap(model, Config(checkpoint='blocks')): compressed checkpointing",
     "ckpt4": "mesa_lite.wrap(model, Config(checkpoint='blocks', checkpoint_bits=4))",
 }
+# compiled rows (torch.compile, Inductor): each mode compiles a fresh model with options of its
+# own, so no row reuses another's graph
+FP8_PASS = {"quant_type": "torch.float8_e5m2", "size_in_mb": 1, "use_scaling": True,
+            "allowed_dtypes": "torch.float16;torch.bfloat16;torch.float32"}  # fmt: skip
+COMPILED = {
+    "plain-compiled": ("plain", {"trace.enabled": False}, None),
+    "int8-compiled": ("int8", None, None),
+    "hf-ckpt-compiled": ("hf-ckpt", {"trace.enabled": False, "trace.debug_log": False}, None),
+    "budget0.5-compiled": (
+        "plain", {"trace.enabled": False, "trace.info_log": False},
+        {"activation_memory_budget": 0.5}),
+    "fp8-compiled": (
+        "plain", {"post_grad_fusion_options": {"activation_quantization_aten_pass": FP8_PASS}},
+        None),
+}  # fmt: skip
+MODES.update({
+    "plain-compiled": "torch.compile(model)",
+    "int8-compiled": "mesa_lite.compile(mesa_lite.wrap(model))",
+    "hf-ckpt-compiled": "torch.compile of the model with gradient_checkpointing_enable()",
+    "budget0.5-compiled": "torch.compile with activation_memory_budget 0.5",
+    "fp8-compiled": "torch.compile with Inductor's fp8 (e5m2) saved-activation pass",
+})  # fmt: skip
 DEFAULT_MODES = ["plain", "int8", "int4", "hf-ckpt"]
 
 
@@ -172,6 +194,12 @@ def make_model(name: str, mode: str, attention: str = "sdpa", config=None):
 
     config = config if config is not None else make_config(name)
     auto = tf.AutoModelForMaskedLM if config.model_type == "bert" else tf.AutoModelForCausalLM
+    if mode in COMPILED:
+        base, options, _ = COMPILED[mode]
+        model = make_model(name, base, attention, config)
+        if base == "plain" or base == "hf-ckpt":
+            return torch.compile(model, options=options)
+        return mesa_lite.compile(model, options=options)
     torch.manual_seed(0)  # every row of a model starts from the same weights
     model = auto.from_config(config, attn_implementation=attention).train()
     if mode == "int8":
@@ -208,11 +236,15 @@ def measure(name: str, mode: str, config, ids, labels, args) -> dict:
 
     # gradients stay allocated between steps (zeroed), so that "before forward" holds all the
     # static memory and the activation figure holds no gradients
-    bd = breakdown.memory_breakdown(model, step_fn, opt, steps=args.warmup + 1, set_to_none=False)
-    timer = StepTimer(device)
-    for _ in range(args.steps):
-        with timer:
-            loss = breakdown.train_step(model, step_fn, opt, set_to_none=False)
+    patches = COMPILED[mode][2] if mode in COMPILED else None
+    with torch._functorch.config.patch(patches or {}):  # read while compiling
+        bd = breakdown.memory_breakdown(
+            model, step_fn, opt, steps=args.warmup + 1, set_to_none=False
+        )
+        timer = StepTimer(device)
+        for _ in range(args.steps):
+            with timer:
+                loss = breakdown.train_step(model, step_fn, opt, set_to_none=False)
     mib = lambda v: None if v is None else v / MIB  # noqa: E731
     gpu = bd.peak is not None
     return {
@@ -249,10 +281,12 @@ def estimate(config, batch: int, seq: int, args) -> tuple[dict, dict]:
 def add_ratios(rows: list[dict], gpu: bool) -> None:
     """Ratios against the plain row of the same model: plain / row for memory (peak and
     activations; kept on CPU), row / plain for step time."""
-    base = {r["model"]: r for r in rows if r["mode"] == "plain" and "error" not in r}
+    base = {(r["model"], r["mode"]): r for r in rows
+            if r["mode"] in ("plain", "plain-compiled") and "error" not in r}  # fmt: skip
     act = "activation_mib" if gpu else "kept_mib"
     for r in rows:
-        b = base.get(r["model"])
+        # a compiled row against compiled plain, an eager row against eager plain
+        b = base.get((r["model"], "plain-compiled" if r["mode"] in COMPILED else "plain"))
         if b is None or "error" in r:
             continue
         if gpu:

@@ -108,6 +108,35 @@ if [[ $what == cnn ]]; then
     tests/test_relu.py tests/test_batch_norm.py tests/models/test_cnn.py tests/kernels/test_bits.py \
     tests/test_squeeze_excite.py 2>&1 | tail -n 3
 fi
+if [[ $what == compile-check ]]; then
+  # issue 38: every family trained under mesa_lite.compile and eager, first-step gradients
+  # against eager plain and the loss over 8 AdamW steps (a process per family side by side:
+  # most of the time is Inductor compiling on the host)
+  for f in deit swin convnext resnet gpt2 gpt2-dropout llama qwen2 bert; do
+    python3 benchmarks/compile_check.py --families $f --out "$OUT/cc_$f" > "$OUT/cc_$f.log" 2>&1 &
+  done
+  wait
+  head -n 4 "$OUT/cc_deit.md" > "$OUT/compile_check_gpu.md"  # the header and the table's
+  for f in deit swin convnext resnet gpt2 gpt2-dropout llama qwen2 bert; do
+    cat "$OUT/cc_$f.jsonl" >> "$OUT/compile_check_gpu.jsonl"
+    grep -E "^\| $f " "$OUT/cc_$f.md" >> "$OUT/compile_check_gpu.md" || echo "| $f | failed: see its log |" >> "$OUT/compile_check_gpu.md"
+  done
+  rm -f "$OUT"/cc_*.md "$OUT"/cc_*.jsonl
+  tar czf "$OUT/compile_check_logs.tgz" -C "$OUT" $(cd "$OUT" && ls cc_*.log) && rm -f "$OUT"/cc_*.log
+  cat "$OUT/compile_check_gpu.md"
+fi
+if [[ $what == llm-compiled ]]; then
+  # issue 38: compiled language models (bf16, same run): compiled plain, mesa_lite compiled,
+  # Hugging Face checkpointing compiled, activation_memory_budget 0.5, Inductor's fp8 pass,
+  # next to eager plain and eager int8; MODELS picks them (default GPT-2 small)
+  for m in ${MODELS:-gpt2}; do
+    case $m in llama-1b) shape="--batch 4 --seq 2048";; bert) shape="--batch 8 --seq 512";;
+      *) shape="--batch 8 --seq 1024";; esac
+    python3 benchmarks/llm_memory.py --models "$m" $shape --steps 6 --modes plain int8 \
+      plain-compiled int8-compiled hf-ckpt-compiled budget0.5-compiled fp8-compiled \
+      --out "$OUT/llm_compiled_$m" 2>&1 | grep -E "^\| |Error|error" | head -n 30
+  done
+fi
 if [[ $what == llm ]]; then
   # issue 13: the language-model tests on CUDA, the memory and step-time rows (GPT-2 small and
   # medium at seq 1024, the Llama-shaped 1B at seq 2048, BERT base at 512; the README's two

@@ -562,7 +562,7 @@ def quantize_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference of :func:`quantize`, same arguments and results."""
     _check_quantize_args(x, group_size, bits, positive, signed, normalize)
-    xf = x.contiguous().view(-1).float()
+    xf = x.reshape(-1).float()  # not x.contiguous(): that returns x itself (alias_check)
     if normalize is not None:
         row_len = _check_normalize(normalize, xf.numel())
         mean, rstd = (t.reshape(-1, 1).float() for t in normalize)

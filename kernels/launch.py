@@ -1,7 +1,8 @@
 """The one dispatch point between Triton and the PyTorch references, and the kernel launcher.
 
-``use_triton(t)``: Triton for CUDA tensors when Triton is installed (a caller may force either
-path, e.g. tests that run kernels in Triton's interpreter on CPU tensors).
+``use_triton(t)``: Triton for CUDA tensors when Triton is installed, the references while
+torch.compile traces (a caller may force either path, e.g. tests that run kernels in Triton's
+interpreter on CPU tensors).
 
 ``Launcher``: ``kernel[grid](*args)`` costs 13-30 us of host time per call in Triton 3.x,
 most of it in the JIT's argument binding and specialization. A Launcher keeps the compiled
@@ -30,8 +31,11 @@ __all__ = ["HAS_TRITON", "Launcher", "use_triton"]
 
 
 def use_triton(t: torch.Tensor) -> bool:
-    """The path for tensor ``t`` when the caller does not force one: Triton for CUDA tensors."""
-    return HAS_TRITON and t.is_cuda
+    """The path for tensor ``t`` when the caller does not force one: Triton for CUDA tensors,
+    except while torch.compile traces: there the references run, as plain torch ops that the
+    compiler fuses into its own kernels (a kernel's launch code would reach Inductor as ops
+    it may not lower: torch 2.11 fails on the bool-to-uint8 view that packs a dropout mask)."""
+    return HAS_TRITON and t.is_cuda and not torch.compiler.is_compiling()
 
 
 # Triton runs kernels in its interpreter: read once, as Triton reads it when a kernel is defined

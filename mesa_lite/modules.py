@@ -613,7 +613,11 @@ class Activation(MesaModule, nn.Module):
         """``(fn, grad_fn)``: the module's own forward as a function of one tensor, and its
         backward as ``ActivationFn`` takes it: GELU's ``approximate`` for the GELU formulas
         ``GELU_FORMS`` lists, else None (autograd on the formula)."""
-        return super().forward, GELU_FORMS.get(self.__dict__.get("_mesa_orig_cls"))
+        # a partial of a plain function, not the bound ``super().forward``: torch 2.11's Dynamo
+        # cannot pass a super() attribute to a Function's apply (a graph break under compile)
+        return functools.partial(_activation_forward, self), GELU_FORMS.get(
+            self.__dict__.get("_mesa_orig_cls")
+        )
 
     def mesa_inplace_formula(self):
         """The in-place form of the formula, for a module built with ``inplace=True`` (None:
@@ -630,6 +634,11 @@ class Activation(MesaModule, nn.Module):
                 return super().forward(x)
         fn, grad_fn = self.mesa_formula()
         return activation(x, fn, self.mesa_spec, grad_fn, type(self).__name__, inplace_fn)
+
+
+def _activation_forward(module: Activation, x: torch.Tensor) -> torch.Tensor:
+    """The forward of the class ``module`` was converted from (``Activation.mesa_formula``)."""
+    return super(Activation, module).forward(x)
 
 
 class SiLU(Activation):

@@ -150,3 +150,13 @@ class HFStyleRMSNorm(torch.nn.Module):
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * h.to(dtype)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_function_returns_an_aliased_tensor():
+    """Every mesa_lite Function's forward, in every test, returns tensors that one op produced
+    (``alias_check``: the class torch 2.11's compiler differentiates to zero)."""
+    import alias_check
+
+    assert len(alias_check.install()) >= 20
+    yield

@@ -219,6 +219,8 @@ def _route_sdpa() -> bool:
     if not isinstance(table, dict) or "sdpa" not in table:
         return False
     if table["sdpa"] is not _routed_sdpa:
+        if torch.compiler.is_compiling():  # wrap installs it; a trace changes no global state
+            return False
         _routed_sdpa.original = table["sdpa"]
         table["sdpa"] = _routed_sdpa
     return True
@@ -349,6 +351,8 @@ def after_wrap(model: nn.Module, config, filter_fn=None) -> tuple[list, int]:
     ``filter_fn`` leave to compress; returns their specs and how many losses ``config`` or
     ``filter_fn`` left exact."""
     after_unwrap(model)
+    if any(isinstance(m, HFAttention) for m in model.modules()):
+        _route_sdpa()  # now, not at the first forward: that may be under torch.compile
     specs, exact = [], 0
     for name, module in model.named_modules():
         causal = _causal_lm(module)

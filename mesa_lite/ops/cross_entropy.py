@@ -43,20 +43,26 @@ class ChunkedCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, ignore_index: int, reduction: str, upcast: bool = True):
         n, vocab = logits.shape
-        total = logits.new_zeros((), dtype=torch.float32)
-        out_dtype = torch.float32
+        # Out of place, and no cast to the dtype a tensor has: the tensor returned is one op's
+        # result. An in-place sum or a no-op cast returned here makes torch 2.11's compiler
+        # route the gradient to a phantom output, zeroing every gradient behind the loss
+        # (pytorch/pytorch#180642; tests/alias_check.py finds the class in eager mode).
+        total, out_dtype = None, torch.float32
         for a, b in _chunks(n, vocab):
             chunk = logits[a:b].float() if upcast else logits[a:b]
             part = F.cross_entropy(chunk, labels[a:b], ignore_index=ignore_index, reduction="sum")
             out_dtype = part.dtype
-            total += part
+            part = part if part.dtype == torch.float32 else part.float()
+            total = part if total is None else total + part
+        if total is None:  # no rows
+            total = logits.new_zeros((), dtype=torch.float32)
         count = labels.ne(ignore_index).sum()
         ctx.save_for_backward(logits, labels)
         ctx.ignore_index, ctx.reduction = ignore_index, reduction
         if reduction == "mean":
             ctx.count = count
             total = total / count
-        return total.to(out_dtype)
+        return total if total.dtype == out_dtype else total.to(out_dtype)
 
     @staticmethod
     @first_order_only
