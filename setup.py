@@ -60,6 +60,7 @@ setup(
                     "ablate",
                     "accuracy",
                     "budget",
+                    "compile_check",
                     "compile_speed",
                     "coverage",
                     "deit_memory",

@@ -54,7 +54,8 @@ FAMILIES = ("deit", "swin", "convnext", "resnet", "gpt2", "gpt2-dropout", "llama
 
 def build_parser() -> argparse.ArgumentParser:
     p = argument_parser(__doc__)
-    p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
+    p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES),
+                   help="families to check")
     p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None,
                    help="autocast dtype (default: bf16 on a GPU; the CPU runs fp32)")
     p.add_argument("--steps", type=positive_int, default=8, help="AdamW steps per run")
