@@ -48,6 +48,10 @@ MIB = 2**20
 # The committed results. Scripts write here only when --out (or --csv) names a path in it.
 RESULTS = Path(__file__).parent / "results"
 DTYPE_NAMES = ("fp32", "fp16", "bf16")
+# Inductor's fp8 (e5m2) saved-activation pass, as the compiled rows' options spell it
+FP8_PASS_OPTIONS = {"post_grad_fusion_options": {"activation_quantization_aten_pass": {
+    "quant_type": "torch.float8_e5m2", "size_in_mb": 1, "use_scaling": True,
+    "allowed_dtypes": "torch.float16;torch.bfloat16;torch.float32"}}}  # fmt: skip
 
 
 def positive_int(text: str) -> int:

@@ -42,6 +42,7 @@ if __package__ in (None, ""):  # run as a script: import the rest as the benchma
     __package__ = "benchmarks"
 
 from .common import (
+    FP8_PASS_OPTIONS,
     Outputs,
     StepTimer,
     add_out_argument,
@@ -60,8 +61,6 @@ quant = lazy_import("mesa_lite.quant")
 mesa_lite = lazy_import("mesa_lite")
 
 MIB = 2**20
-FP8_PASS = {"quant_type": "torch.float8_e5m2", "size_in_mb": 1, "use_scaling": True,
-            "allowed_dtypes": "torch.float16;torch.bfloat16;torch.float32"}  # fmt: skip
 # name: (mode, torch.compile mode or None for eager, COMPILE_FORM, Inductor options, functorch
 # config patches, base row). torch.compile reuses one compiled graph for every instance of a
 # model class (Dynamo caches on the forward's code; parameters are graph inputs) unless the
@@ -87,7 +86,7 @@ ROWS = {
         "plain compiled"),
     "plain compiled, Inductor fp8 activations": (
         "amp", "default", None,
-        {"post_grad_fusion_options": {"activation_quantization_aten_pass": FP8_PASS}}, (),
+        FP8_PASS_OPTIONS, (),
         "plain compiled"),
     "plain compiled, reduce-overhead": (
         "amp", "reduce-overhead", None, None, (), "plain compiled, reduce-overhead"),

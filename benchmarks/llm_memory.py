@@ -45,6 +45,7 @@ import mesa_lite
 
 from .common import (
     DTYPE_NAMES,
+    FP8_PASS_OPTIONS,
     MIB,
     Outputs,
     StepTimer,
@@ -83,8 +84,6 @@ MODES = {
 }
 # compiled rows (torch.compile, Inductor): each mode compiles a fresh model with options of its
 # own, so no row reuses another's graph
-FP8_PASS = {"quant_type": "torch.float8_e5m2", "size_in_mb": 1, "use_scaling": True,
-            "allowed_dtypes": "torch.float16;torch.bfloat16;torch.float32"}  # fmt: skip
 COMPILED = {
     "plain-compiled": ("plain", {"trace.enabled": False}, None),
     "int8-compiled": ("int8", None, None),
@@ -92,9 +91,7 @@ COMPILED = {
     "budget0.5-compiled": (
         "plain", {"trace.enabled": False, "trace.info_log": False},
         {"activation_memory_budget": 0.5}),
-    "fp8-compiled": (
-        "plain", {"post_grad_fusion_options": {"activation_quantization_aten_pass": FP8_PASS}},
-        None),
+    "fp8-compiled": ("plain", FP8_PASS_OPTIONS, None),
 }  # fmt: skip
 MODES.update({
     "plain-compiled": "torch.compile(model)",
@@ -197,7 +194,7 @@ def make_model(name: str, mode: str, attention: str = "sdpa", config=None):
     if mode in COMPILED:
         base, options, _ = COMPILED[mode]
         model = make_model(name, base, attention, config)
-        if base == "plain" or base == "hf-ckpt":
+        if base != "int8":
             return torch.compile(model, options=options)
         return mesa_lite.compile(model, options=options)
     torch.manual_seed(0)  # every row of a model starts from the same weights
