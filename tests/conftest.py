@@ -125,6 +125,24 @@ def tiny_vit(fused: bool = True, seed: int = 0):
     return model
 
 
+def tiny_lm_config(family: str, dropout: float = 0.0, vocab: int = 256):
+    """A 2-layer, 64-wide transformers config of ``family`` (gpt2, bert, llama, mistral, qwen2),
+    ``dropout`` on every dropout it has (GPT-2's and BERT's)."""
+    import transformers as tf
+
+    small = dict(vocab_size=vocab)
+    if family == "gpt2":
+        return tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, attn_pdrop=dropout,
+                             resid_pdrop=dropout, embd_pdrop=dropout, **small)  # fmt: skip
+    if family == "bert":
+        return tf.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, attention_probs_dropout_prob=dropout,
+                             hidden_dropout_prob=dropout, **small)  # fmt: skip
+    cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config}[family]
+    return cls(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, **small)  # fmt: skip
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     return torch.device(request.param)

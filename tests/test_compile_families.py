@@ -22,7 +22,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import sqnr_db, tiny_vit
+from conftest import sqnr_db, tiny_lm_config, tiny_vit
 from test_compile import tiny_swin
 
 import mesa_lite
@@ -107,18 +107,7 @@ LM = {
 def _lm(family: str, dropout: float = 0.0):
     tf = pytest.importorskip("transformers")
     tf.logging.set_verbosity_error()
-    small = dict(vocab_size=VOCAB)
-    if family == "gpt2":
-        cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, attn_pdrop=dropout,
-                            resid_pdrop=dropout, embd_pdrop=dropout, **small)  # fmt: skip
-    elif family == "bert":
-        cfg = tf.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, attention_probs_dropout_prob=dropout,
-                            hidden_dropout_prob=dropout, **small)  # fmt: skip
-    else:
-        cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config}[family]
-        cfg = cls(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, **small)  # fmt: skip
+    cfg = tiny_lm_config(family, dropout, vocab=VOCAB)
     torch.manual_seed(0)
     return getattr(tf, LM[family])._from_config(cfg, attn_implementation="sdpa").train()
 

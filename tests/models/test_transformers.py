@@ -22,7 +22,7 @@ import pickle
 
 import pytest
 import torch
-from conftest import assert_equal, sqnr_db
+from conftest import assert_equal, sqnr_db, tiny_lm_config
 
 import mesa_lite
 from mesa_lite import Config
@@ -32,20 +32,6 @@ tf = pytest.importorskip("transformers")
 tf.logging.set_verbosity_error()
 
 VOCAB, SEQ, BATCH = 256, 32, 2
-
-
-def _config(family: str, **extra):
-    small = dict(vocab_size=VOCAB)
-    if family == "gpt2":
-        return tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64, attn_pdrop=0.0,
-                             resid_pdrop=0.0, embd_pdrop=0.0, **small, **extra)  # fmt: skip
-    if family == "bert":
-        return tf.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, attention_probs_dropout_prob=0.0,
-                             hidden_dropout_prob=0.0, **small, **extra)  # fmt: skip
-    cls = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config}[family]
-    return cls(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, **small, **extra)  # fmt: skip
 
 
 _MODELS = {
@@ -65,7 +51,8 @@ KEPT = 0.40
 @functools.cache
 def _built(family: str, seed: int = 0, attn: str = "sdpa"):
     torch.manual_seed(seed)
-    model = getattr(tf, _MODELS[family])._from_config(_config(family), attn_implementation=attn)
+    config = tiny_lm_config(family, vocab=VOCAB)
+    model = getattr(tf, _MODELS[family])._from_config(config, attn_implementation=attn)
     return model.train()
 
 
@@ -298,7 +285,7 @@ def test_printed_gpt2_shows_the_setting_of_its_conv1d_layers():
     """``print(model)`` shows each converted layer's setting, GPT-2's ``Conv1D`` too (its own
     ``__repr__`` leaves out ``extra_repr``), and nothing once unwrapped."""
     torch.manual_seed(0)
-    model = tf.GPT2LMHeadModel(_config("gpt2"))
+    model = tf.GPT2LMHeadModel(tiny_lm_config("gpt2", vocab=VOCAB))
     mesa_lite.wrap(model)
     c_attn = model.transformer.h[0].attn.c_attn
     assert repr(c_attn) == f"Conv1D(nf={c_attn.nf}, nx={c_attn.nx}, mesa=int8 g128 nearest)"
