@@ -128,12 +128,13 @@ fi
 if [[ $what == llm-compiled ]]; then
   # issue 38: compiled language models (bf16, same run): compiled plain, mesa_lite compiled,
   # Hugging Face checkpointing compiled, activation_memory_budget 0.5, Inductor's fp8 pass,
-  # next to eager plain and eager int8; MODELS picks them (default GPT-2 small)
+  # next to eager plain and eager int8; MODELS picks the models (default GPT-2 small), MODES
+  # the modes (default all of these)
   for m in ${MODELS:-gpt2}; do
     case $m in llama-1b) shape="--batch 4 --seq 2048";; bert) shape="--batch 8 --seq 512";;
       *) shape="--batch 8 --seq 1024";; esac
-    python3 benchmarks/llm_memory.py --models "$m" $shape --steps 6 --modes plain int8 \
-      plain-compiled int8-compiled hf-ckpt-compiled budget0.5-compiled fp8-compiled \
+    python3 benchmarks/llm_memory.py --models "$m" $shape --steps 6 --modes ${MODES:-plain int8 \
+      plain-compiled int8-compiled hf-ckpt-compiled budget0.5-compiled fp8-compiled} \
       --out "$OUT/llm_compiled_$m" 2>&1 | grep -E "^\| |Error|error" | head -n 30
   done
 fi

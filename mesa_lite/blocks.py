@@ -38,7 +38,7 @@ from mesa_lite.ops.attention import (
     sdpa_run,
     split_qkv,
 )
-from mesa_lite.ops.common import autocast_cast, first_order_only, fresh, keep
+from mesa_lite.ops.common import autocast_cast, first_order_only, fresh, keep, recast
 from mesa_lite.ops.dropout import dropout_backward, dropout_forward
 from mesa_lite.ops.gelu import gelu_input_grad
 from mesa_lite.ops.layer_norm import keep_normalized, layer_norm_backward
@@ -73,7 +73,7 @@ def _norm_linear_grads(ctx, grad, w, b_dtype, p_ln, mean, rstd, ln_w, ln_b):
     before autocast's casts (None where not needed). Inputs 0-4 of the Function are these."""
     norm_cfg, dtype = ctx.cfg[0], ctx.cfg[1]
     shape, eps, ln_dtype = norm_cfg
-    wc, bc = autocast_cast(ln_w, ln_dtype), autocast_cast(ln_b, ln_dtype)
+    wc, bc = recast(ln_w, ln_dtype), recast(ln_b, ln_dtype)
     n = ctx.needs_input_grad
     need_ln = n[0] or n[1] or n[2]
 

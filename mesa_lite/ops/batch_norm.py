@@ -24,6 +24,7 @@ from mesa_lite.ops.common import (
     first_order_only,
     inverse_perm,
     plain_under_functorch,
+    recast,
     register_probe,
 )
 
@@ -109,7 +110,7 @@ class BatchNormFn(torch.autograd.Function):
                 x = x.new_empty_strided(x_shape, x_stride).copy_(x)
         else:  # only the bias needs a gradient: the input is not read
             x = grad.new_empty_strided(x_shape, x_stride, dtype=x_dtype)
-        w = autocast_cast(weight, dtype)
+        w = recast(weight, dtype)
         perm = channels_last_perm(x) if torch.compiler.is_compiling() else None
         if perm is not None:
             # the compiler hands backward a contiguous gradient where eager mode passes the

@@ -94,6 +94,19 @@ def autocast_cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Te
     return cast(t, dtype)
 
 
+def recast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``autocast_cast`` of a parameter again in backward (the forward's cast is not kept).
+
+    Under torch.compile the cast goes through an unsqueeze/squeeze pair: the compiler merges
+    identical ops of forward and backward (CSE on the joint graph), and a backward cast merged
+    with the forward's makes the partitioner keep that low-precision copy of every weight from
+    forward to backward (it will not recompute a tensor a matmul reads in backward), where the
+    parameter itself is free to keep. GPT-2 small kept 235 MiB of weight copies that way."""
+    if t is not None and dtype is not None and torch.compiler.is_compiling():
+        return autocast_cast(t.unsqueeze(0), dtype).squeeze(0)
+    return autocast_cast(t, dtype)
+
+
 # a dtype's own conversion method parses its arguments faster than ``Tensor.to`` (host time on
 # every cast of every layer)
 _CASTS = {

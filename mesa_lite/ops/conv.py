@@ -27,6 +27,7 @@ from mesa_lite.ops.common import (
     keep,
     offerable,
     plain_under_functorch,
+    recast,
     register_probe,
 )
 
@@ -94,7 +95,7 @@ class ConvFn(torch.autograd.Function):
         else:  # only its shape and layout are read
             x = grad.new_empty_strided(x_shape, x_stride, dtype=x_dtype)
         if need_x:
-            w = autocast_cast(weight, dtype)
+            w = recast(weight, dtype)
         else:
             w = grad.new_empty_strided(w_shape, w_stride, dtype=dtype or w_dtype)
         bias_sizes = None if ctx.b_meta is None else [ctx.b_meta[0]]

@@ -22,6 +22,7 @@ from mesa_lite.ops.common import (
     dtypes_of,
     first_order_only,
     plain_under_functorch,
+    recast,
     register_probe,
 )
 
@@ -88,7 +89,7 @@ class GroupNormFn(torch.autograd.Function):
             x = quant.unnormalize(px, mean.reshape(-1), rstd.reshape(-1), x_dtype).view(x_shape)
             if x.stride() != x_stride:  # channels-last on the CPU: the input's own layout
                 x = x.new_empty_strided(x_shape, x_stride).copy_(x)
-        w = None if weight is None else autocast_cast(weight, dtype).contiguous()
+        w = None if weight is None else recast(weight, dtype).contiguous()
         w_dtype, b_dtype = ctx.param_dtypes
         mask = [ctx.needs_input_grad[0], ctx.needs_input_grad[1] and w_dtype is not None,
                 ctx.needs_input_grad[2] and b_dtype is not None]  # fmt: skip

@@ -16,6 +16,7 @@ from mesa_lite.ops.common import (
     fresh,
     keep,
     plain_under_functorch,
+    recast,
     register_probe,
 )
 
@@ -94,7 +95,7 @@ def linear_backward(grad, rebuild_x, weight, dtype, x_col_major: bool, needs, w_
     if needs[1]:
         grad_w = cast(g2.t() @ _rows(rebuild_x()), w_dtype)
     if needs[0]:
-        w = autocast_cast(weight, dtype)
+        w = recast(weight, dtype)
         # as torch's mm backward: a column-major input gets its gradient computed transposed
         gx = (w.t() @ g2.t()).t() if x_col_major else g2 @ w
         grad_x = gx.reshape(*grad.shape[:-1], w.shape[1])
@@ -140,7 +141,7 @@ def addmm_backward(grad, rebuild_x, weight, dtype, x_col_major: bool, w_col_majo
         gw = cast(g2.t().mm(x2).t() if w_col_major else x2.t().mm(g2), w_dtype)
         del x2
     if needs[0]:  # mm_mat1_backward
-        w = autocast_cast(weight, dtype)
+        w = recast(weight, dtype)
         gx = (w.mm(g2.t())).t() if x_col_major else g2.mm(w.t())
         gx = gx.reshape(*grad.shape[:-1], w.shape[0])
     if b_dtype is not None and needs[2]:

@@ -1,0 +1,135 @@
+"""What a compiled wrapped model keeps for backward: the partitioner's choice, not the Functions'.
+
+Under torch.compile the Functions' ``save_for_backward`` is only a hint: AOTAutograd merges
+identical ops of forward and backward (CSE) and the min-cut partitioner picks what crosses from
+forward to backward. These tests run the partitioner Inductor runs (``compiler="inductor"``,
+Inductor's decompositions) and read the backward graph's inputs, on the CPU under bf16
+autocast: no low-precision copy of a parameter crosses (the parameter itself is free to keep),
+and the chunked loss's compiled backward writes no slices into a buffer of the logits' size.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import sqnr_db, tiny_lm_config
+
+import mesa_lite
+from mesa_lite.ops import cross_entropy as ce
+
+
+def _recording_backend(graphs: list):
+    """An aot_autograd backend with Inductor's partitioner and decompositions, no code
+    generation; ``graphs`` gets each (forward, backward) pair."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    def partition(joint, inputs, **kwargs):
+        kwargs.pop("compiler", None)
+        fw, bw = min_cut_rematerialization_partition(joint, inputs, compiler="inductor", **kwargs)
+        graphs.append((fw, bw))
+        return fw, bw
+
+    def boxed(gm, _):
+        from functorch.compile import make_boxed_func
+
+        return make_boxed_func(gm.forward)
+
+    return aot_autograd(fw_compiler=boxed, bw_compiler=boxed, partition_fn=partition,
+                        decompositions=select_decomp_table())  # fmt: skip
+
+
+def _kept(bw) -> list[torch.Tensor]:
+    """The fake values of what the backward graph takes from forward (not the tangents)."""
+    out = []
+    for n in bw.graph.nodes:
+        if n.op == "placeholder" and not n.name.startswith("tangents"):
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                out.append(v)
+    return out
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 16, 3, padding=1)
+        self.bn = nn.BatchNorm2d(16)
+        self.gn = nn.GroupNorm(4, 16)
+        self.fc1 = nn.Linear(16, 64)
+        self.fc2 = nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = torch.relu(self.gn(self.bn(self.conv(x))))
+        h = h.mean((2, 3))
+        return self.fc2(torch.nn.functional.gelu(self.fc1(h)))
+
+
+def _lm(family):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = tiny_lm_config(family)
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize("name", ["convnet", "gpt2", "llama"])
+def test_compiled_keeps_no_weight_copies(name):
+    """No bf16 tensor of a parameter's shape (or its transpose) is kept from forward to
+    backward: backward casts the parameter again, as eager mode does."""
+    if name == "convnet":
+        torch.manual_seed(0)
+        model = ConvNet()
+        mesa_lite.wrap(model, mesa_lite.Config(layers=mesa_lite.DEFAULT_LAYERS
+                                               | mesa_lite.OPT_IN_KINDS))  # fmt: skip
+        args = (torch.randn(2, 3, 8, 8),)
+        loss_of = lambda out: out.float().square().mean()  # noqa: E731
+    else:
+        model = _lm(name)
+        mesa_lite.wrap(model)
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+        args = (ids,)
+        loss_of = lambda out: out.logits.float().square().mean()  # noqa: E731
+    model.train()
+    shapes = set()
+    for p in model.parameters():
+        if p.dim() >= 2:
+            shapes.add(tuple(p.shape))
+            shapes.add(tuple(p.shape[::-1]))
+    graphs: list = []
+    compiled = mesa_lite.compile(model, backend=_recording_backend(graphs), fullgraph=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = loss_of(compiled(*args))
+    loss.backward()
+    assert graphs, "nothing was compiled"
+    copies = [tuple(v.shape) for _, bw in graphs for v in _kept(bw)
+              if v.dtype == torch.bfloat16 and tuple(v.shape) in shapes]  # fmt: skip
+    assert not copies, f"bf16 copies of parameters kept for backward: {copies}"
+    assert all(p.grad is not None and p.grad.abs().sum() > 0
+               for p in model.parameters() if p.dim() >= 2)  # fmt: skip
+
+
+def test_compiled_loss_backward_is_one_expression(monkeypatch):
+    """The compiled loss's backward has no slice writes into a logits-sized buffer (the
+    chunks of eager mode) and gives eager's gradient."""
+    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", 64 * 100)  # eager: 64 rows a chunk
+    g = torch.Generator().manual_seed(0)
+    logits0 = torch.randn(300, 100, generator=g).bfloat16()
+    labels = torch.randint(0, 100, (300,), generator=g)
+    labels[::7] = -100
+
+    def loss_fn(logits, labels):
+        return ce.cross_entropy(logits, labels)
+
+    grads = []
+    for compiled in (False, True):
+        logits = logits0.clone().requires_grad_()
+        graphs: list = []
+        fn = torch.compile(loss_fn, backend=_recording_backend(graphs), fullgraph=True) \
+            if compiled else loss_fn  # fmt: skip
+        fn(logits, labels).backward()
+        grads.append(logits.grad.float())
+        if compiled:
+            (_, bw), = graphs
+            targets = {str(n.target) for n in bw.graph.nodes if n.op == "call_function"}
+            assert not any("scatter" in t or "index_put" in t for t in targets), targets
+    assert sqnr_db(grads[0], grads[1]) > 40
