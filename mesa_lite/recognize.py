@@ -25,6 +25,20 @@ module meets in training, not those of a freshly built model in eval mode:
 - the same CPU RNG state before each: a forward that draws random numbers the fused path does
   not draw (``F.dropout`` in the forward, an ``nn.Dropout`` child the fused path omits) fails.
 
+A proof covers more than the forward's values:
+
+- the backward: on the fp32 probe input, with a random upstream gradient, the gradients of the
+  input and of every parameter through the module's own forward and through the path proved
+  agree to fp32 rounding (an RMSNorm whose statistic is a constant in backward gives Llama's
+  output bit for bit and another gradient);
+- side effects: the module's forward writes none of its buffers and changes none of the plain
+  attributes of it or its children (a running statistic the fused path would never update),
+  and calls no child the fused path does not call (a recorder of activation statistics, an
+  ``nn.Dropout(p=0)`` that a later schedule turns on);
+- the attributes it was proved with: a fused block compares the plain attributes of it and
+  its children with those of the proof on every call (a dropout's ``p`` excepted: the fused
+  path reads it) and runs its own forward when they changed.
+
 Probes run on the CPU with tensors of their own put in place of the module's parameters and
 buffers (``torch.nn.utils.stateless``): the module's values are untouched, and a model built
 on the meta device is recognised as the same model built on a real one. Results are cached
@@ -96,6 +110,7 @@ def _random_state(module: nn.Module) -> dict[str, torch.Tensor]:
         if id(t) not in made:
             if t.is_floating_point():
                 v = torch.empty(t.shape).uniform_(-2.0, 2.0, generator=g).to(t.dtype)
+                v.requires_grad_(isinstance(t, nn.Parameter))
             elif t.is_meta:
                 v = torch.zeros(t.shape, dtype=t.dtype)
             else:
@@ -169,18 +184,87 @@ def _conditions(module: nn.Module, width: int, dtypes) -> list[tuple[str, torch.
     return out
 
 
+def _snapshot(module: nn.Module) -> tuple[dict, dict]:
+    """The buffers (object and version) and the plain attributes of ``module`` and its
+    children, by name."""
+    buffers = {n: (b, b._version) for n, b in module.named_buffers() if b is not None}
+    attrs = {n: _plain_attrs(m) for n, m in module.named_modules()}
+    return buffers, attrs
+
+
+def _side_effect(module: nn.Module, before: tuple[dict, dict]) -> str | None:
+    """What ``module``'s forward changed since ``before`` (``_snapshot``), or None."""
+    buffers, attrs = before
+    now = {n: b for n, b in module.named_buffers() if b is not None}
+    for name, (b, version) in buffers.items():
+        if now.get(name) is not b or b._version != version:
+            return f"writes its buffer {name!r} in forward (a side effect the fused path lacks)"
+    for name, m in module.named_modules():
+        if _plain_attrs(m) != attrs.get(name):
+            what = f"its child {name!r}" if name else "itself"
+            return f"changes attributes of {what} in forward (a side effect the fused path lacks)"
+    return None
+
+
+def _grads(fn, x: torch.Tensor, params: list[torch.Tensor]):
+    """``fn(x)`` and the gradients of ``x`` and ``params`` under a fixed random upstream
+    gradient (None where a tensor gets none)."""
+    x = x.detach().requires_grad_()
+    torch.set_rng_state(_PROBE_RNG)
+    with torch.enable_grad():
+        out = fn(x)
+        if not (isinstance(out, torch.Tensor) and out.requires_grad):
+            return None
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype)
+        return torch.autograd.grad(out, [x, *params], g, allow_unused=True)
+
+
+def _backward_differs(module: nn.Module, want, got, x: torch.Tensor) -> str | None:
+    """Why the gradients of ``want`` and ``got`` on ``x`` differ beyond fp32 rounding (relative
+    error 1e-5 in any tensor's gradient), or None."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    gw, gg = _grads(want, x, params), _grads(got, x, params)
+    if gw is None or gg is None:
+        return None if gw is None and gg is None else "one path gives no gradient"
+    for name, a, b in zip(["input", *(n for n, _ in named)], gw, gg, strict=True):
+        if a is None or b is None:
+            if (a is None) != (b is None):
+                return f"the gradient of {name} is {'missing' if b is None else 'extra'}"
+            continue
+        err = (a.double() - b.double()).norm()
+        if not bool(err <= 1e-5 * a.double().norm()) and not _same(a, b):
+            return f"computes another gradient of {name} (fp32 probe, random upstream gradient)"
+    return None
+
+
+@contextlib.contextmanager
+def _called_children(module: nn.Module):
+    """The names of ``module``'s children called while inside (forward pre-hooks)."""
+    called: set[str] = set()
+    handles = [m.register_forward_pre_hook(lambda m, a, n=n: called.add(n))
+               for n, m in module.named_children()]  # fmt: skip
+    try:
+        yield called
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def prove(
     module: nn.Module,
     want: Callable[[torch.Tensor], torch.Tensor],
     got: Callable[[torch.Tensor], torch.Tensor],
     width: int,
     dtypes,
+    calls: set[str] | None = None,
 ) -> str | None:
     """Whether ``got(x)`` computes ``want(x)`` for ``module``: None when, for probe inputs of
     ``width`` features in each of ``dtypes`` at each magnitude (and under bf16 autocast where
     the module has fp32 parameters), both give the same output bit for bit and leave the CPU
     RNG in the same state from the same start, with ``module`` in training mode on random
-    parameters (see the module docstring); else why not.
+    parameters, their gradients agree on the fp32 input, and ``want`` has no side effect and
+    calls no child outside ``calls`` (None: any) (see the module docstring); else why not.
 
     ``want`` and ``got`` read the module's parameters when called (the probe's are in place).
     """
@@ -188,9 +272,19 @@ def prove(
         with _probing(module):
             for label, x, amp in _conditions(module, width, dtypes):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    before = _snapshot(module)
                     torch.set_rng_state(_PROBE_RNG)
-                    w = want(x)
+                    with _called_children(module) as called:
+                        w = want(x)
                     after_want = torch.get_rng_state()
+                    why = _side_effect(module, before)
+                    if why is not None:
+                        return why
+                    extra = sorted(called - calls) if calls is not None else []
+                    if extra:
+                        child = getattr(module, extra[0])
+                        return (f"calls its child {extra[0]!r} ({type(child).__name__}), which "
+                                "the fused path does not")  # fmt: skip
                     torch.set_rng_state(_PROBE_RNG)
                     g = got(x)
                 if not torch.equal(after_want, torch.get_rng_state()):
@@ -198,6 +292,10 @@ def prove(
                 if not _same(w, g):
                     where = _where(w, g) if isinstance(w, torch.Tensor) else ""
                     return f"computes otherwise in training, random weights, {label} input{where}"
+                if x.dtype == torch.float32 and not amp:
+                    why = _backward_differs(module, want, got, x)
+                    if why is not None:
+                        return why
     except Exception as e:  # noqa: BLE001 - a forward that fails on a probe is not the formula
         return f"its forward fails on a probe input ({type(e).__name__}: {e})"
     return None
@@ -438,6 +536,7 @@ def gated_mlp(module: nn.Module) -> tuple | str | None:
                 _gated_formula(module, roles),
                 w.shape[1],
                 (w.dtype,),
+                calls=set(projs) | ({act} if act else set()),
             )
             if why is None:
                 return roles
@@ -465,12 +564,45 @@ class GatedMlp(FusedBlock, nn.Module):
 
     def unfuse(self) -> nn.Module:
         self.__dict__.pop("_mesa_gated", None)
+        self.__dict__.pop("_mesa_proved_attrs", None)
         return super().unfuse()
+
+
+def proved_attrs(module: nn.Module) -> tuple:
+    """``(sub-module, name, value)`` for each plain attribute of ``module`` and its children
+    that a proof assumed (tensors, modules and private names left out, and a dropout's ``p``:
+    the fused path reads it on each call)."""
+    out = []
+    for m in module.modules():
+        for k, v in vars(m).items():
+            if k.startswith("_") or k in ("training", "mesa_spec"):
+                continue
+            if isinstance(v, (torch.Tensor, nn.Module)) or (k == "p" and isinstance(m, nn.Dropout)):
+                continue
+            out.append((m, k, v))
+    return tuple(out)
+
+
+_PLAIN = (bool, int, float, str, type(None), tuple)
+_MISSING = object()
+
+
+def _still_proved(m: nn.Module) -> bool:
+    """Whether ``m``'s attributes are those its proof ran with (``proved_attrs``): each the
+    same object or an equal plain value (a few microseconds a call)."""
+    items = m.__dict__.get("_mesa_proved_attrs")
+    if items is None:
+        return False
+    for sub, k, v in items:
+        now = sub.__dict__.get(k, _MISSING)
+        if now is not v and not (type(now) is type(v) and isinstance(v, _PLAIN) and now == v):
+            return False
+    return True
 
 
 def _gated_parts(m: nn.Module):
     roles = m.__dict__.get("_mesa_gated")
-    if roles is None:
+    if roles is None or not _still_proved(m):
         return None
     gate, up, down, act = roles
     layers = [getattr(m, n) for n in (gate, up, down)]
@@ -553,7 +685,7 @@ def mlp_chain(module: nn.Module) -> tuple | str | None:
         # the same values and draws as the chain alone (an in-place op on a layer's output
         # keeps the objects above but changes the values), also under autocast
         why = prove(module, lambda t: type(module).forward(module, t), chain, _in_width(first),
-                    (first.weight.dtype,))  # fmt: skip
+                    (first.weight.dtype,), calls=set(names))  # fmt: skip
         return names if why is None else why
 
     return _cached("mlp", module, run)
@@ -565,6 +697,7 @@ class Mlp(FusedBlock, nn.Module):
 
     def unfuse(self) -> nn.Module:
         self.__dict__.pop("_mesa_mlp_chain", None)
+        self.__dict__.pop("_mesa_proved_attrs", None)
         return super().unfuse()
 
     def forward(self, *args, **kwargs):
@@ -585,7 +718,7 @@ def _mlp_parts(m: nn.Module):
     layers converted with one setting, each projection's compressed path taken, the dropout
     converted (p below 1, not in place), no hooks; else None."""
     chain = m.__dict__.get("_mesa_mlp_chain")
-    if chain is None:
+    if chain is None or not _still_proved(m):
         return None
     layers = [getattr(m, name) for name in chain]
     p1, act, p2 = layers[:3]
@@ -635,6 +768,7 @@ def _matcher(find: Callable, key: str, cls: type) -> Callable[[nn.Module], type 
         found = find(module)
         if isinstance(found, tuple):
             module.__dict__[key] = found
+            module.__dict__["_mesa_proved_attrs"] = proved_attrs(module)
             return cls
         return found
 

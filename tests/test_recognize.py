@@ -447,3 +447,165 @@ def test_summary_names_blocks_fused_by_proof(caplog):
     with caplog.at_level(logging.INFO, logger="mesa_lite"):
         mesa_lite.wrap(nn.Sequential(HFStyleRMSNorm(16), TitanFeedForward()))
     assert "fused by proof TitanFeedForward as GatedMlp x1" in caplog.text
+
+
+# ---- what a proof covers besides the forward (issue 39: backward, side effects, expiry) --------
+
+
+class StopGradRMSNorm(HFStyleRMSNorm):
+    """Llama's RMSNorm with its statistic a constant in backward: the same output bit for bit,
+    another gradient."""
+
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True).detach()
+        h = h * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+
+class RunningRMSNorm(HFStyleRMSNorm):
+    """Llama's RMSNorm keeping a running mean of its statistic in a buffer."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.register_buffer("running_ms", torch.zeros(()))
+
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        if self.training:
+            with torch.no_grad():
+                self.running_ms.mul_(0.9).add_(0.1 * variance.mean())
+        h = h * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+
+class StatsRecorder(nn.Module):
+    """A parameter-free child that records the mean of what it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[float] = []
+
+    def forward(self, x):
+        self.seen.append(float(x.detach().float().mean()))
+        return x
+
+
+class GatedWith(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with an extra parameter-free child on the product."""
+
+    def __init__(self, extra: nn.Module, h=16, i=40):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+        self.extra = extra
+
+    def forward(self, x):
+        return self.down_proj(self.extra(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class ScaledMlp(nn.Module):
+    """GPT-2's MLP shape with a plain attribute its forward reads."""
+
+    def __init__(self, h=16, i=40):
+        super().__init__()
+        self.c_fc = nn.Linear(h, i)
+        self.act = nn.GELU()
+        self.c_proj = nn.Linear(i, h)
+        self.scaled = False
+
+    def forward(self, x):
+        h = self.act(self.c_fc(x))
+        return self.c_proj(h * 2 if self.scaled else h)
+
+
+def _norm_model(norm):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), norm, nn.Linear(32, 32))
+
+
+def test_rms_norm_with_a_stop_gradient_is_refused(caplog):
+    """The forward is Llama's bit for bit; the backward proof refuses it, and the wrapped
+    model's gradients stay the module's own (int8 floor, debug_exact bit for bit)."""
+    plain = _randomize(_norm_model(StopGradRMSNorm(32)))
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        wrapped = mesa_lite.wrap(copy.deepcopy(plain))
+    assert type(wrapped[1]) is StopGradRMSNorm
+    assert "StopGradRMSNorm x1 (not the Hugging Face RMSNorm formula: computes another " \
+           "gradient of input" in caplog.text  # fmt: skip
+    _same_as_plain(plain, torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(0)))
+    # the proof's control: Llama's own form is still converted
+    assert isinstance(mesa_lite.wrap(_norm_model(HFStyleRMSNorm(32)))[1], RMSNorm)
+
+
+def test_rms_norm_writing_a_buffer_is_refused(caplog):
+    plain = _norm_model(RunningRMSNorm(32))
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        wrapped = mesa_lite.wrap(copy.deepcopy(plain))
+    assert type(wrapped[1]) is RunningRMSNorm
+    assert "writes its buffer 'running_ms' in forward" in caplog.text
+    x = torch.randn(3, 7, 32, generator=torch.Generator().manual_seed(0))
+    for m in (plain, wrapped):
+        m(x).sum().backward()
+    assert plain[1].running_ms.item() != 0
+    assert_equal(wrapped[1].running_ms, plain[1].running_ms, "running statistic")
+
+
+@pytest.mark.parametrize("extra", ["recorder", "dropout0"])
+def test_gated_mlp_calling_a_child_the_fused_path_omits_is_not_fused(extra, caplog):
+    """A child the fused path would not call (a statistics recorder; a Dropout at p=0, which a
+    later schedule turns on) keeps the module's own forward; the summary says why."""
+    child = StatsRecorder() if extra == "recorder" else nn.Dropout(0.0)
+    torch.manual_seed(0)
+    plain = _randomize(GatedWith(child))
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        wrapped = mesa_lite.wrap(copy.deepcopy(plain))
+    assert not isinstance(wrapped, GatedMlp)
+    assert "calls its child 'extra'" in caplog.text
+    x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(0))
+    if extra == "recorder":
+        n = len(wrapped.extra.seen)
+        wrapped(x).sum().backward()
+        assert len(wrapped.extra.seen) == n + 1  # the recorder ran in training
+    else:
+        for m in (plain, wrapped):
+            m.extra.p = 0.5  # a late-dropout schedule
+        _same_as_plain(plain, x)
+
+
+def test_fused_mlp_rechecks_its_proof_on_each_call():
+    """A plain attribute changed after wrap (a config switch) makes the fused block run its
+    own forward, which reads it; the proof's attributes back, the fused path again."""
+    from mesa_lite import blocks
+
+    torch.manual_seed(0)
+    plain = _randomize(ScaledMlp())
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain))
+    assert isinstance(wrapped, Mlp)
+    x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(0))
+    calls = []
+    original = blocks.MlpFn.apply
+
+    def counting(*args):
+        calls.append(1)
+        return original(*args)
+
+    blocks.MlpFn.apply = counting
+    try:
+        wrapped(x).sum().backward()
+        assert len(calls) == 1
+        for m in (plain, wrapped):
+            m.scaled = True
+        _same_as_plain(plain, x)
+        y = wrapped(x)
+        assert len(calls) == 1  # its own forward
+        assert_equal(y, plain(x), "forward with the attribute changed")
+        wrapped.scaled = False
+        wrapped(x).sum().backward()
+        assert len(calls) == 2
+    finally:
+        blocks.MlpFn.apply = original
