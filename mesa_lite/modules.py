@@ -31,7 +31,7 @@ from mesa_lite.ops.linear import linear
 from mesa_lite.ops.matmul import matmul
 from mesa_lite.ops.max_pool import max_pool2d
 from mesa_lite.ops.relu import relu
-from mesa_lite.ops.rms_norm import rms_norm
+from mesa_lite.ops.rms_norm import rms_forward, rms_norm
 from mesa_lite.ops.softmax import softmax
 
 __all__ = [
@@ -261,16 +261,23 @@ def _set_class(module: nn.Module, cls: type) -> None:
     module.__class__ = type(f"Parametrized{cls.__name__}", (cls,), attrs)
 
 
+def _weight_and_bias(module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``module.weight`` and ``module.bias``, each read once. A forward passes these on and never
+    reads the attributes again: a parametrized one is computed on each read (``spectral_norm``
+    runs a power iteration and updates its buffers), and torch's own forward reads each once."""
+    return module.weight, module.bias
+
+
 class Linear(MesaModule, nn.Linear):
     """``nn.Linear`` keeping its (autocast-cast) input compressed."""
 
     mesa_kind = "linear"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight  # once: a parametrized weight is computed on each access
-        if not self._mesa_active(x, weight, self.bias):
-            return F.linear(x, weight, self.bias)
-        return linear(x, weight, self.bias, self.mesa_spec)
+        weight, bias = _weight_and_bias(self)
+        if not self._mesa_active(x, weight, bias):
+            return F.linear(x, weight, bias)
+        return linear(x, weight, bias, self.mesa_spec)
 
 
 class _ConvNd(MesaModule):
@@ -281,12 +288,17 @@ class _ConvNd(MesaModule):
     mesa_kind = "conv"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight  # once: a parametrized weight is computed on each access
-        if not self._mesa_active(x, weight, self.bias):
-            return self._conv_forward(x, weight, self.bias)
+        weight, bias = _weight_and_bias(self)
+        if not self._mesa_active(x, weight, bias):
+            return self._conv_forward(x, weight, bias)
+        if x.dim() == len(self.kernel_size) + 1:  # unbatched, as torch runs it: a batch of one
+            return self._mesa_conv(x.unsqueeze(0), weight, bias).squeeze(0)
+        return self._mesa_conv(x, weight, bias)
+
+    def _mesa_conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        """The compressed convolution of a batched ``x`` with the weight and bias ``forward``
+        read."""
         nd = len(self.kernel_size)
-        if x.dim() == nd + 1:  # unbatched, as torch's conv runs it: a batch of one
-            return self.forward(x.unsqueeze(0)).squeeze(0)
         padding = self.padding
         if self.padding_mode != "zeros":  # as nn.ConvNd._conv_forward: pad, then no padding
             x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
@@ -296,8 +308,8 @@ class _ConvNd(MesaModule):
         elif padding == "same":
             padding = same_padding(self.kernel_size, self.dilation)
             if padding is None:
-                return self._conv_forward(x, weight, self.bias)
-        return conv(x, weight, self.bias, nd, self.stride, padding, self.dilation, self.groups,
+                return self._conv_forward(x, weight, bias)
+        return conv(x, weight, bias, nd, self.stride, padding, self.dilation, self.groups,
                     self.mesa_spec)  # fmt: skip
 
 
@@ -313,6 +325,9 @@ class Conv3d(_ConvNd, nn.Conv3d):
     """``nn.Conv3d`` keeping its input compressed."""
 
 
+_CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
 class _ConvTransposeNd(MesaModule):
     """``nn.ConvTranspose1d/2d/3d`` keeping its (autocast-cast) input compressed: any stride,
     padding, output padding (or ``output_size``), dilation, groups and channels-last input;
@@ -321,16 +336,19 @@ class _ConvTransposeNd(MesaModule):
     mesa_kind = "conv"
 
     def forward(self, x: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
+        if self.padding_mode != "zeros":  # torch's own error, raised before any read
+            return super().forward(x, output_size)
+        # nn.ConvTranspose{nd}d.forward, its weight and bias read once for both paths
         nd = len(self.kernel_size)
-        if not self._mesa_active(x, self.weight, self.bias) or x.dim() == nd + 1:
-            return super().forward(x, output_size)
-        if self.padding_mode != "zeros":  # torch's own error
-            return super().forward(x, output_size)
         output_padding = self._output_padding(
             x, output_size, self.stride, self.padding, self.kernel_size, nd, self.dilation
         )
-        return conv(x, self.weight, self.bias, nd, self.stride, self.padding, self.dilation,
-                    self.groups, self.mesa_spec, output_padding)  # fmt: skip
+        weight, bias = _weight_and_bias(self)
+        if not self._mesa_active(x, weight, bias) or x.dim() == nd + 1:
+            return _CONV_TRANSPOSE[nd](x, weight, bias, self.stride, self.padding, output_padding,
+                                       self.groups, self.dilation)  # fmt: skip
+        return conv(x, weight, bias, nd, self.stride, self.padding, self.dilation, self.groups,
+                    self.mesa_spec, output_padding)  # fmt: skip
 
 
 class ConvTranspose1d(_ConvTransposeNd, nn.ConvTranspose1d):
@@ -353,20 +371,25 @@ class _BatchNormNd(MesaModule):
     mesa_kind = "batchnorm"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._mesa_active(x, self.weight, self.bias):
-            return super().forward(x)
+        # nn.modules.batchnorm._BatchNorm.forward (torch 2.4 to 2.15), the weight and bias read
+        # once for both paths
         self._check_input_dim(x)
-        # nn.modules.batchnorm._BatchNorm.forward, training mode (torch 2.4 to 2.14)
         factor = 0.0 if self.momentum is None else self.momentum
-        if self.track_running_stats and self.num_batches_tracked is not None:
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:  # cumulative moving average
                 factor = 1.0 / float(self.num_batches_tracked)
-        tracked = self.track_running_stats
-        return batch_norm(
-            x, self.running_mean if tracked else None, self.running_var if tracked else None,
-            self.weight, self.bias, factor, self.eps, self.mesa_spec,
-        )  # fmt: skip
+        # the running statistics: passed to be updated (training, tracked) or used (eval mode)
+        tracked = not self.training or self.track_running_stats
+        running_mean = self.running_mean if tracked else None
+        running_var = self.running_var if tracked else None
+        weight, bias = _weight_and_bias(self)
+        if not self._mesa_active(x, weight, bias):
+            batch_stats = self.training or (running_mean is None and running_var is None)
+            return F.batch_norm(x, running_mean, running_var, weight, bias, batch_stats, factor,
+                                self.eps)  # fmt: skip
+        return batch_norm(x, running_mean, running_var, weight, bias, factor, self.eps,
+                          self.mesa_spec)  # fmt: skip
 
 
 class BatchNorm1d(_BatchNormNd, nn.BatchNorm1d):
@@ -387,9 +410,10 @@ class GroupNorm(MesaModule, nn.GroupNorm):
     mesa_kind = "groupnorm"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._mesa_active(x, self.weight, self.bias):
-            return super().forward(x)
-        return group_norm(x, self.num_groups, self.weight, self.bias, self.eps, self.mesa_spec)
+        weight, bias = _weight_and_bias(self)
+        if not self._mesa_active(x, weight, bias):
+            return F.group_norm(x, self.num_groups, weight, bias, self.eps)
+        return group_norm(x, self.num_groups, weight, bias, self.eps, self.mesa_spec)
 
 
 class SyncBatchNorm(_BatchNormNd, nn.SyncBatchNorm):
@@ -415,11 +439,14 @@ class _InstanceNormNd(MesaModule):
     mesa_kind = "batchnorm"
 
     def _apply_instance_norm(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._mesa_active(x, self.weight, self.bias):
-            return super()._apply_instance_norm(x)
+        weight, bias = _weight_and_bias(self)
         momentum = self.momentum if self.momentum is not None else 0.0
-        return instance_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
-                             momentum, self.eps, self.mesa_spec)  # fmt: skip
+        if not self._mesa_active(x, weight, bias):  # nn.InstanceNorm's _apply_instance_norm
+            return F.instance_norm(x, self.running_mean, self.running_var, weight, bias,
+                                   self.training or not self.track_running_stats, momentum,
+                                   self.eps)  # fmt: skip
+        return instance_norm(x, self.running_mean, self.running_var, weight, bias, momentum,
+                             self.eps, self.mesa_spec)  # fmt: skip
 
 
 class InstanceNorm1d(_InstanceNormNd, nn.InstanceNorm1d):
@@ -572,7 +599,7 @@ class LayerNorm(MesaModule, nn.LayerNorm):
     mesa_kind = "layernorm"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.weight, self.bias  # once: parametrized ones are computed on access
+        weight, bias = _weight_and_bias(self)
         shape = tuple(self.normalized_shape)
         if not self._mesa_active(x, weight, bias):
             return F.layer_norm(x, shape, weight, bias, self.eps)
@@ -699,10 +726,16 @@ class RMSNorm(MesaModule, nn.Module):
         return "hf", rms_eps(self), 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        # exact (debug) mode: the module's own forward, as its formula's gradient sums meet
-        # the residual stream's in an order only the formula's own graph reproduces
-        if not self._mesa_active(x, weight) or self.mesa_spec.exact:
+        # the module's own forward wherever it is known to run plain before the weight is read
+        # (the forward reads it itself). Exact (debug) mode too, as its formula's gradient sums
+        # meet the residual stream's in an order only the formula's own graph reproduces.
+        spec = self.mesa_spec
+        if spec is None or spec.exact or not self.training or not torch.is_grad_enabled():
             return super().forward(x)
+        weight = self.weight  # once, as the module's own forward reads it
         form, eps, dims = self._mesa_rms_cfg()
-        return rms_norm(x, weight, eps, form, dims, self.mesa_spec)
+        if not needs_grad(x, weight):  # nothing to differentiate: the plain formula
+            if form == "torch":  # nn.RMSNorm.forward
+                return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+            return rms_forward(x, weight, eps, form, dims)[0]  # the proved HF formula
+        return rms_norm(x, weight, eps, form, dims, spec)

@@ -143,8 +143,7 @@ if _BatchNormAct2d is not None:
         compressed, then its own ``drop`` and ``act`` modules (wrapped by their own kinds)."""
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if not self._mesa_active(x, self.weight, self.bias):
-                return _BatchNormAct2d.forward(self, x)
+            # BatchNorm2d.forward takes the plain path itself, reading weight and bias once
             return self.act(self.drop(BatchNorm2d.forward(self, x)))
 
 

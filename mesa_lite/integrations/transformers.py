@@ -38,7 +38,7 @@ from mesa_lite.ops.attention import scaled_dot_product_attention
 from mesa_lite.ops.common import needs_grad
 from mesa_lite.ops.cross_entropy import cross_entropy
 from mesa_lite.ops.dropout import dropout
-from mesa_lite.ops.linear import addmm
+from mesa_lite.ops.linear import addmm, addmm_forward
 from mesa_lite.ops.matmul import matmul
 from mesa_lite.ops.softmax import softmax
 from mesa_lite.recognize import GatedMlp, Mlp  # noqa: F401 - their home before the core had them
@@ -88,9 +88,9 @@ if _Conv1D is not None:
         mesa_kind = "linear"
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            weight, bias = self.weight, self.bias
+            weight, bias = self.weight, self.bias  # once each, as transformers' forward
             if bias is None or not self._mesa_active(x, weight, bias):
-                return super().forward(x)
+                return addmm_forward(x, weight, bias, None)  # transformers' forward
             return addmm(x, weight, bias, self.mesa_spec)
 
         def __repr__(self) -> str:  # transformers' own __repr__ leaves out extra_repr
