@@ -133,6 +133,9 @@ class Measurements:
 
         other_seconds: the step time outside the blocks (optimizer, head, loss).
         leaves: the blocks that are modules without children (see ``to_config``).
+        base: the Config the policies were measured on (``measure`` records its ``base``,
+            ``Config()`` when none is given), which ``choose`` writes the plan on; None
+            (measurements made otherwise): ``choose`` takes any base.
     """
 
     blocks: tuple[str, ...]
@@ -143,8 +146,11 @@ class Measurements:
     optimizer_peak: int = 0
     other_seconds: float = 0.0
     leaves: tuple[str, ...] = ()
+    base: Config | None = None
 
     def __post_init__(self) -> None:
+        if self.base is not None and not isinstance(self.base, Config):
+            raise TypeError(f"Measurements.base must be a Config or None, got {self.base!r}")
         if not self.blocks:
             raise ValueError("Measurements needs at least one block")
         twice = sorted({n for n in self.blocks if self.blocks.count(n) > 1})
@@ -518,12 +524,22 @@ def choose(m: Measurements, budget: int | float, base: Config | None = None) -> 
         m: the measurements (``measure``).
         budget: bytes (an int), or a fraction of the all-plain predicted peak (a float in
             (0, 1], ``plain_peak(m)``; needs ``plain`` measured).
-        base: the Config the plan's overrides and checkpointing are written on.
+        base: the Config the plan's overrides and checkpointing are written on; by default
+            the one ``m`` was measured on (``m.base``). Another than that is refused: the
+            bytes and times were measured with its layer kinds, bits and group size.
 
     Raises:
         PlanError: when no choice fits; the message names the terms (static memory alone
             above the budget, the optimizer step's peak, or the smallest budget a plan fits).
     """
+    if base is None:
+        base = m.base
+    elif m.base is not None and base != m.base:
+        raise ValueError(
+            "choose: base differs from the Config the measurements were taken on "
+            f"(measured on {m.base!r}, asked for {base!r}); measure again with this base, "
+            "or leave base out to plan on the measured one"
+        )
     budget = _budget_bytes(m, budget)
     usable = _even_groups_only(tuple(m.costs), base, "choose")
     if len(usable) < len(m.costs):
@@ -732,7 +748,10 @@ def measure(
 
     Each policy runs on a deep copy of ``model`` wrapped with ``to_config(blocks, [policy] *
     n, base)`` (the layers outside the blocks wrapped by ``base`` in every run, so they keep
-    the same): ``warmup`` steps, one step whose forward's saved tensors are counted per block
+    the same): ``warmup`` steps (the first one's saved tensors counted too: each block's kept
+    bytes are the larger of the first step's and the measured step's, so that a prediction
+    bounds the first step of a freshly wrapped model, whose ReLUs have not yet learned that
+    the next layer reuses their codes), one step whose forward's saved tensors are counted per block
     (and, on CUDA, the allocator's peaks of training and of the optimizer step, less the bytes
     of ``model`` itself, which the planned run will not hold twice), then ``timed``
     synchronized steps, whose median
@@ -797,14 +816,19 @@ def measure(
 
         exclude = sum(_storages((*model.parameters(), *model.buffers()), {}).values())
     steps: dict[str, _Step] = {}
+    firsts: dict[str, _Step] = {}
     seconds = {}
     for p in policies:
         m = copy.deepcopy(model).train()  # a training step's costs, whatever mode it was in
         wrap(m, to_config(blocks, [p] * len(blocks), base, leaves))
         opt = optimizer_fn(m.parameters()) if optimizer_fn is not None else None
-        for _ in range(warmup):
+        # the first step, counted too: a ReLU learns only in its first backward that the
+        # next convolution reuses its codes, so a freshly wrapped model keeps more then
+        firsts[p] = _kept_by_block(m, step_fn, opt, blocks, device, exclude)
+        for _ in range(warmup - 1):
             train_step(m, step_fn, opt)
-        steps[p] = _kept_by_block(m, step_fn, opt, blocks, device, exclude)
+        steps[p] = _kept_by_block(m, step_fn, opt, blocks, device, exclude) if warmup else \
+            firsts[p]  # fmt: skip
         seconds[p] = _step_seconds(m, step_fn, opt, timed, device) / len(blocks)
         del m, opt
         gc.collect()
@@ -827,6 +851,19 @@ def measure(
                  for p, s in steps.items()}  # fmt: skip
         temporaries = min(extra.values())
         transient = {p: e - temporaries for p, e in extra.items()}
+    # every step bounded, the first included: each block's kept bytes and the bytes outside
+    # at the larger of the first and the measured step's (the transients above stay the
+    # measured step's)
+    for p, first in firsts.items():
+        s = steps[p]
+        steps[p] = dataclasses.replace(
+            s, per_block={n: max(s.per_block[n], first.per_block[n]) for n in blocks},
+            outside=max(s.outside, first.outside),
+            outside_after=max(s.outside_after, first.outside_after),
+        )  # fmt: skip
+    outside = max(s.outside - s.outside_after for s in steps.values()) + max(
+        s.outside_after for s in steps.values()
+    )
     costs = {
         p: tuple(
             PolicyCost(
@@ -848,7 +885,8 @@ def measure(
     found = Measurements(blocks=blocks, costs=costs, static=static, outside=outside,
                          temporaries=temporaries,
                          optimizer_peak=max(s.optimizer_peak for s in steps.values()),
-                         other_seconds=0.0, leaves=leaves)  # fmt: skip
+                         other_seconds=0.0, leaves=leaves,
+                         base=base if base is not None else Config())  # fmt: skip
     return broadcast(found) if sync else found
 
 

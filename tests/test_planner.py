@@ -503,7 +503,7 @@ def test_measure_and_plan_other_timm_families(name):
     leanest and the plainest wraps the model with the same forward output as plain. Mixed
     policies keep no more than predicted (a ResNet block's in-place ReLU output is the next
     block's input, kept once by both, or as codes the next convolutions reuse: policies that
-    differ across that boundary keep it twice, or in two forms), and at most 8% less."""
+    differ across that boundary keep it twice, or in two forms), and at most 10% less."""
     timm = pytest.importorskip("timm")
     from mesa_lite.planner import measure
 
@@ -533,9 +533,15 @@ def test_measure_and_plan_other_timm_families(name):
         for p, q in itertools.permutations(("plain", "int8", "ckpt"), 2)
     ]
     for choice in mixes:
-        kept = _kept_in_training(model, to_config(m.blocks, choice, base, m.leaves), x)
+        config = to_config(m.blocks, choice, base, m.leaves)
+        kept = _kept_in_training(model, config, x)
+        fresh = mesa_lite.wrap(copy.deepcopy(model), config)
+        first, _ = saved_activation_bytes(lambda: fresh(x).square().mean(),
+                                          list(fresh.parameters()))  # fmt: skip
         predicted = m.outside + sum(_block_bytes(m, choice))
-        assert kept <= predicted <= 1.08 * kept, (choice, kept, predicted)
+        # the prediction bounds the first step too (its ReLUs keep their own codes); bounding
+        # it costs a ResNet's mixes up to 9% over what they keep
+        assert max(kept, first) <= predicted <= 1.1 * max(kept, first), (choice, kept, predicted)
 
 
 def _kept_in_training(model, config, x) -> int:
@@ -609,3 +615,52 @@ def test_mixes_of_blocks_sharing_several_tensors_or_one_further_back(kind):
         kept = _kept_in_training(net, to_config(m.blocks, choice), x)
         predicted = m.outside + sum(_block_bytes(m, choice))
         assert kept <= predicted <= 1.25 * kept, (choice, kept, predicted)
+
+
+def _resnet_and_base():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("resnet18", pretrained=False, num_classes=5).train()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    base = mesa_lite.Config(layers=mesa_lite.DEFAULT_LAYERS | mesa_lite.OPT_IN_KINDS)
+    return model, x, base
+
+
+def test_the_plan_applies_the_base_it_was_measured_on():
+    """Measured with the convolutions compressed, the plan compresses them too (its config
+    is written on the measured base, not on Config()), and a plan asked on another base is
+    refused by name."""
+    from mesa_lite.planner import measure
+
+    model, x, base = _resnet_and_base()
+    m = measure(model, lambda mdl: mdl(x).square().mean(), timed=1, base=base,
+                policies=("plain", "int8"))  # fmt: skip
+    assert m.base == base
+    plan = choose(m, 1.0)
+    assert plan.config.layers == base.layers
+    wrapped = mesa_lite.wrap(copy.deepcopy(model), plan.config)
+    assert any(type(mod).__name__ == "Conv2d" and hasattr(mod, "mesa_spec")
+               for mod in wrapped.modules())  # fmt: skip
+    kept = _kept_in_training(model, plan.config, x)
+    assert kept <= m.outside + sum(_block_bytes(m, plan.policies))
+    with pytest.raises(ValueError, match="base differs from the Config the measurements"):
+        choose(m, 1.0, base=mesa_lite.Config())
+    assert choose(m, 1.0, base=base).config == plan.config
+
+
+def test_the_prediction_bounds_the_first_step_of_a_fresh_model():
+    """A model freshly wrapped with the plan keeps, in its first training step, no more than
+    the prediction (its ReLUs keep their own codes until their first backward)."""
+    from mesa_lite.planner import measure
+
+    model, x, base = _resnet_and_base()
+    m = measure(model, lambda mdl: mdl(x).square().mean(), timed=1, base=base,
+                policies=("plain", "int8"))  # fmt: skip
+    n = len(m.blocks)
+    for choice in (("int8",) * n, tuple(("plain", "int8")[i % 2] for i in range(n))):
+        config = to_config(m.blocks, choice, base, m.leaves)
+        wrapped = mesa_lite.wrap(copy.deepcopy(model), config)
+        first, _ = saved_activation_bytes(
+            lambda w=wrapped: w(x).square().mean(), list(wrapped.parameters())
+        )
+        assert first <= m.outside + sum(_block_bytes(m, choice)), choice
