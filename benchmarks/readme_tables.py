@@ -1,16 +1,21 @@
-"""The README's results tables, generated from the committed results files.
+"""The results tables of README.md and docs/RESULTS.md, generated from the committed results files.
 
 Each table is built from named rows of named files in benchmarks/results/ (the .jsonl beside
-each .md), chosen in TABLES below, and sits in README.md between marker comments:
+each .md), chosen in TABLES below, and sits between marker comments in whichever of the two
+documents (DOCUMENTS below) holds them, in exactly one:
 
   <!-- table:deit -->
   ...generated lines...
   <!-- /table:deit -->
 
+Links to the results files are written relative to the document (docs/RESULTS.md links to
+../benchmarks/results/).
+
 Where two files measured the same figure, the table takes the newest: the later "date" field,
 and on equal dates the file changed last in `git log` (docs/RESULTS.md lists the others).
 
-A figure in the prose sits between an inline marker that says where it comes from and `/fig`:
+A figure in the prose of either document sits between an inline marker that says where it
+comes from and `/fig`:
 
   <!-- fig:compile_speed_s:row=mesa int8:step_ratio:x -->1.47x<!-- /fig -->
 
@@ -29,9 +34,10 @@ the sentence (a line that begins with "<!--" is a raw HTML block to Markdown), w
 
 Imports no torch, so it runs anywhere in well under a second.
 
-  python benchmarks/readme_tables.py            # rewrite the tables and figures in README.md
-  python benchmarks/readme_tables.py --check    # exit 1, naming each stale table (and its first
-                                                # differing line) and the first stale figure
+  python benchmarks/readme_tables.py            # rewrite the tables and figures of both files
+  python benchmarks/readme_tables.py --check    # exit 1, naming each stale or misplaced table
+                                                # (and its first differing line) and the first
+                                                # stale figure of each file
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import posixpath
 import re
 import statistics
 import sys
@@ -48,7 +55,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = "benchmarks/results"
+README = "README.md"
 DOC = "docs/RESULTS.md"
+# the documents that hold tables and figures, as paths from the repository root
+DOCUMENTS = (README, DOC)
 
 
 def _load(name: str, root: Path = ROOT) -> list[dict]:
@@ -66,12 +76,17 @@ def _pick(rows: list[dict], name: str, **match) -> dict:
 
 
 class _Sources:
-    """Loads files once and remembers which ones (and which runs) a table used."""
+    """Loads files once and remembers which ones (and which runs) a table used; links to
+    them from the document ``doc`` (a path from the repository root)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, doc: str = README):
         self.root = root
+        self.base = posixpath.relpath(RESULTS, posixpath.dirname(doc) or ".")
         self._rows: dict[str, list[dict]] = {}
         self.used: dict[str, list[dict]] = {}
+
+    def link(self, name: str) -> str:
+        return f"[`{name}.md`]({self.base}/{name}.md)"
 
     def rows(self, name: str) -> list[dict]:
         if name not in self._rows:
@@ -94,10 +109,6 @@ def _x(x: float) -> str:
 
 def _ms(x: float) -> str:
     return f"{x:.1f}"
-
-
-def _link(name: str) -> str:
-    return f"[`{name}.md`]({RESULTS}/{name}.md)"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -123,7 +134,7 @@ def _provenance(src: _Sources) -> list[str]:
         versions += [f"Triton {triton}"] if triton else []
         versions += [f"timm {timm}"] if timm else []
         versions += [f"transformers {transformers}"] if transformers else []
-        files = ", ".join(_link(n) for n in names)
+        files = ", ".join(src.link(n) for n in names)
         lines.append(f"- {date}, {device}, {', '.join(versions)}: {files}")
     return lines
 
@@ -152,7 +163,9 @@ def _deit(src: _Sources) -> list[str]:
         s1 = src.row(sfile, model=model, **{key: smesa})
         peak_red = p0["peak_mib"] / p1["peak_mib"]
         act_red = s0["activation_mib"] / s1["activation_mib"]
-        sources = _link(pfile) if pfile == sfile else f"peak {_link(pfile)}, rest {_link(sfile)}"
+        sources = src.link(pfile)
+        if pfile != sfile:
+            sources = f"peak {src.link(pfile)}, rest {src.link(sfile)}"
         rows.append([
             label, _mib(p0["peak_mib"]), _mib(p1["peak_mib"]), f"**{_x(peak_red)}**",
             _x(act_red), f"{_ms(s0['step_ms'])} / {_ms(s1['step_ms'])}",
@@ -242,7 +255,7 @@ def _llm(src: _Sources) -> list[str]:
             label, f"{p0['batch']} x {p0['seq']}", _mib(p0["peak_mib"]), _mib(p1["peak_mib"]),
             f"**{_x(p1['peak_reduction'])}**", f"**{_x(p1['activation_reduction'])}**",
             f"{_x(p1['step_ratio'])} ({_ms(p0['step_ms'])} ms plain)",
-            f"{_x(hf['activation_reduction'])}, {_x(hf['step_ratio'])}", _link(name),
+            f"{_x(hf['activation_reduction'])}, {_x(hf['step_ratio'])}", src.link(name),
         ])  # fmt: skip
     header = ["model", "batch x seq", "plain peak MiB", "8-bit peak MiB", "peak reduction",
               "activation reduction", "step / plain",
@@ -262,7 +275,7 @@ def _ckpt(src: _Sources) -> list[str]:
             label, "128", _mib(p0["peak_mib"]), _mib(c8["peak_mib"]),
             f"**{_x(c8['memory_reduction'])}**", _x(c8["step_ratio"]),
             f"timm: {_x(own['memory_reduction'])}, {_x(own['step_ratio'])}",
-            f"{c8['sqnr_db']:.1f} dB", _link(name),
+            f"{c8['sqnr_db']:.1f} dB", src.link(name),
         ])  # fmt: skip
     for label, name, model in (("GPT-2 small", "llm_ckpt_gpu_gpt2", "gpt2"),
                                ("Llama-shaped 1B", "llm_ckpt_gpu_llama", "llama-1b")):  # fmt: skip
@@ -272,7 +285,7 @@ def _ckpt(src: _Sources) -> list[str]:
         rows.append([
             label, f"{p0['batch']} x {p0['seq']}", _mib(p0["peak_mib"]), _mib(c8["peak_mib"]),
             f"**{_x(c8['peak_reduction'])}**", _x(c8["step_ratio"]),
-            f"HF: {_x(own['peak_reduction'])}, {_x(own['step_ratio'])}", "-", _link(name),
+            f"HF: {_x(own['peak_reduction'])}, {_x(own['step_ratio'])}", "-", src.link(name),
         ])  # fmt: skip
     header = ["model", "batch", "plain peak MiB", "ckpt int8 peak MiB", "peak reduction",
               "step / plain", "framework's checkpointing: peak reduction, step / plain",
@@ -307,7 +320,7 @@ def _compiled(src: _Sources) -> list[str]:
                 memory = [_mib(r["activation_mib"]), _x(r["activation_reduction"])]
             shown = _COMPILED_LABELS.get(row_name, row_name)
             rows.append([label, shown, _ms(r["step_ms"]), _x(r["step_ratio"]), *memory,
-                         _link(name)])  # fmt: skip
+                         src.link(name)])  # fmt: skip
     header = ["model", "row", "step ms", "step / plain of the same mode and run",
               "activations MiB", "activation reduction", "run"]  # fmt: skip
     return _table(header, rows)
@@ -332,20 +345,75 @@ TABLES: dict[str, Callable[[_Sources], list[str]]] = {
 }
 
 
-def render(name: str, root: Path = ROOT) -> list[str]:
-    """The lines of one table with its provenance, as they stand between its markers."""
-    src = _Sources(root)
+def render(name: str, root: Path = ROOT, doc: str = README) -> list[str]:
+    """The lines of one table with its provenance, as they stand between its markers in the
+    document ``doc`` (which the links are relative to)."""
+    src = _Sources(root, doc)
     lines = TABLES[name](src)
     return [*lines, "", "Measured:", *_provenance(src)]
 
 
-def _span(text: str, name: str) -> tuple[int, int]:
-    """Start and end offsets of the text between table ``name``'s markers."""
-    start = re.search(rf"^<!-- table:{name} -->\n", text, re.M)
-    end = re.search(rf"^<!-- /table:{name} -->$", text, re.M)
-    if not start or not end or end.start() < start.end():
-        raise ValueError(f"README.md: no <!-- table:{name} --> ... <!-- /table:{name} --> block")
-    return start.end(), end.start()
+# a table's opening or closing marker, a line of its own
+_MARKER = re.compile(r"^<!-- (?P<close>/?)table:(?P<name>[^\n]*?) -->$", re.M)
+
+
+def _line_of(text: str, offset: int) -> int:
+    return text.count("\n", 0, offset) + 1
+
+
+def tables_in(text: str) -> list[str]:
+    """The names of the tables (of TABLES, in its order) that have a marker in ``text``."""
+    named = {m["name"] for m in _MARKER.finditer(text)}
+    return [name for name in TABLES if name in named]
+
+
+def _unknown(text: str, doc: str) -> list[str]:
+    """One message per marker in ``text`` that names no table of TABLES."""
+    return [
+        f"{doc} line {_line_of(text, m.start())}: {m[0]} names no table "
+        f"(the tables: {', '.join(TABLES)})"
+        for m in _MARKER.finditer(text)
+        if m["name"] not in TABLES
+    ]
+
+
+def _span(text: str, name: str, doc: str = README) -> tuple[int, int]:
+    """Start and end offsets of the text between table ``name``'s markers in ``text``, the
+    document ``doc``: one opening marker line, then one closing one."""
+    found = [m for m in _MARKER.finditer(text) if m["name"] == name]
+    opens = [m for m in found if not m["close"]]
+    closes = [m for m in found if m["close"]]
+    where = f"{doc}: table '{name}'"
+    if len(opens) != 1 or len(closes) != 1:
+        raise ValueError(
+            f"{where}: expected one <!-- table:{name} --> line and one <!-- /table:{name} --> "
+            f"line after it, found {len(opens)} and {len(closes)}"
+        )
+    if closes[0].start() < opens[0].end():
+        raise ValueError(
+            f"{where}: <!-- /table:{name} --> (line {_line_of(text, closes[0].start())}) comes "
+            f"before <!-- table:{name} --> (line {_line_of(text, opens[0].start())})"
+        )
+    return min(opens[0].end() + 1, len(text)), closes[0].start()
+
+
+def _placement(texts: dict[str, str]) -> list[str]:
+    """One message per table whose markers are in none of ``texts`` (document -> text) or in
+    more than one."""
+    problems = []
+    for name in TABLES:
+        holders = [doc for doc, text in texts.items() if name in tables_in(text)]
+        if not holders:
+            problems.append(
+                f"table '{name}': no <!-- table:{name} --> ... <!-- /table:{name} --> block "
+                f"in {' or '.join(texts)}"
+            )
+        elif len(holders) > 1:
+            problems.append(
+                f"table '{name}': markers in {' and '.join(holders)}; "
+                "a table lives in exactly one of them"
+            )
+    return problems
 
 
 # --- the inline figures --------------------------------------------------------------------
@@ -457,59 +525,89 @@ def _figures(
             yield line, m, None, f"{type(e).__name__}: {e}"
 
 
-def _figure_problem(line: int, m: re.Match | None, error: str) -> str:
+def _figure_problem(line: int, m: re.Match | None, error: str, doc: str) -> str:
     marker = f"<!-- fig:{m['spec']} -->" if m else "<!-- fig:"
-    return f"figure at README.md line {line}, {marker}: {error}"
+    return f"figure at {doc} line {line}, {marker}: {error}"
 
 
-def update(text: str, root: Path = ROOT) -> str:
-    """``text`` with every table and figure replaced by what the results files give."""
-    for name in TABLES:
-        a, b = _span(text, name)
-        text = text[:a] + "\n".join(render(name, root)) + "\n" + text[b:]
+def _pair(doc: str, have: str | None, want: str | None) -> str:
+    """The two versions of a line, the document's and the files', one under the other."""
+    label = posixpath.basename(doc) + ":"
+    return f"  {label:<11} {have!r}\n  {'files:':<11} {want!r}"
+
+
+def update(text: str, root: Path = ROOT, doc: str = README) -> str:
+    """``text``, the document ``doc``, with every table whose markers it holds and every figure
+    replaced by what the results files give."""
+    unknown = _unknown(text, doc)
+    if unknown:
+        raise ValueError(unknown[0])
+    for name in tables_in(text):
+        a, b = _span(text, name, doc)
+        text = text[:a] + "\n".join(render(name, root, doc)) + "\n" + text[b:]
     out, at = [], 0
     for line, m, want, error in list(_figures(text, root)):
         if error is not None:
-            raise ValueError(_figure_problem(line, m, error))
+            raise ValueError(_figure_problem(line, m, error, doc))
         out += [text[at : m.start("text")], want]
         at = m.end("text")
     return "".join(out) + text[at:]
 
 
-def check(text: str, root: Path = ROOT) -> list[str]:
-    """One message per table whose lines in ``text`` differ from the files', then one for the
-    first figure that differs or cannot be computed (empty: all agree)."""
-    return _check_tables(text, root) + _check_figures(text, root)
+def check(text: str, root: Path = ROOT, doc: str = README) -> list[str]:
+    """One message per table (of those whose markers ``text``, the document ``doc``, holds)
+    whose lines differ from the files' or whose markers are wrong, then one for the first
+    figure that differs or cannot be computed (empty: all agree). Whether every table is in
+    exactly one document is check_documents' question."""
+    return _check_tables(text, root, doc) + _check_figures(text, root, doc)
 
 
-def _check_figures(text: str, root: Path) -> list[str]:
+def check_documents(texts: dict[str, str], root: Path = ROOT) -> list[str]:
+    """check() of each document (path from the root -> text), after one message per table
+    whose markers are in none of them or in more than one."""
+    problems = _placement(texts)
+    for doc, text in texts.items():
+        problems += check(text, root, doc)
+    return problems
+
+
+def update_documents(texts: dict[str, str], root: Path = ROOT) -> dict[str, str]:
+    """update() of each document (path from the root -> text); a ValueError, naming the
+    table, when a table's markers are in none of them or in more than one."""
+    problems = _placement(texts)
+    if problems:
+        raise ValueError("\n".join(problems))
+    return {doc: update(text, root, doc) for doc, text in texts.items()}
+
+
+def _check_figures(text: str, root: Path, doc: str = README) -> list[str]:
     for line, m, want, error in _figures(text, root):
         if error is not None:
-            return [_figure_problem(line, m, error)]
+            return [_figure_problem(line, m, error, doc)]
         if m["text"] != want:
             return [
-                f"figure differs from the results files at README.md line {line}:\n"
-                f"  marker: <!-- fig:{m['spec']} -->\n  README: {m['text']!r}\n  files:  {want!r}"
+                f"figure differs from the results files at {doc} line {line}:\n"
+                f"  marker: <!-- fig:{m['spec']} -->\n{_pair(doc, m['text'], want)}"
             ]
     return []
 
 
-def _check_tables(text: str, root: Path) -> list[str]:
-    problems = []
-    for name in TABLES:
+def _check_tables(text: str, root: Path, doc: str = README) -> list[str]:
+    problems = _unknown(text, doc)
+    for name in tables_in(text):
         try:
-            a, b = _span(text, name)
+            a, b = _span(text, name, doc)
         except ValueError as e:
             problems.append(str(e))
             continue
         have = text[a:b].rstrip("\n").split("\n")
-        want = render(name, root)
+        want = render(name, root, doc)
         for i, (h, w) in enumerate(zip_longest(have, want)):
             if h != w:
-                line = text[:a].count("\n") + 1 + i
+                line = _line_of(text, a) + i
                 problems.append(
-                    f"table '{name}' differs from the results files at README.md line {line}:\n"
-                    f"  README: {h!r}\n  files:  {w!r}"
+                    f"table '{name}' differs from the results files at {doc} line {line}:\n"
+                    + _pair(doc, h, w)
                 )
                 break
     return problems
@@ -521,32 +619,39 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--check", action="store_true",
-                   help="only compare; exit 1 naming each stale table")  # fmt: skip
-    p.add_argument("--readme", type=Path, default=ROOT / "README.md", help="the file to update")
+                   help="only compare; exit 1 naming each stale or misplaced table")  # fmt: skip
+    p.add_argument("--readme", type=Path, default=ROOT / README,
+                   help=f"the file to check or rewrite as {README}")  # fmt: skip
+    p.add_argument("--results-doc", type=Path, default=ROOT / DOC,
+                   help=f"the file to check or rewrite as {DOC} (its links are "
+                   "written relative to docs/)")  # fmt: skip
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    text = args.readme.read_text()
+    paths = dict(zip(DOCUMENTS, (args.readme, args.results_doc), strict=True))
+    texts = {doc: path.read_text() for doc, path in paths.items()}
     if args.check:
-        problems = check(text)
+        problems = check_documents(texts)
         for msg in problems:
             print(msg, file=sys.stderr)
         if not problems:
-            n = len(_FIG_OPEN.findall(text))
-            print(f"{args.readme}: {len(TABLES)} tables and {n} figures agree with {RESULTS}/")
+            for doc, text in texts.items():
+                n, m = len(tables_in(text)), len(_FIG_OPEN.findall(text))
+                print(f"{paths[doc]}: {n} tables and {m} figures agree with {RESULTS}/")
         return 1 if problems else 0
     try:
-        new = update(text)
+        new = update_documents(texts)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 1
-    if new != text:
-        args.readme.write_text(new)
-        print(f"{args.readme}: tables and figures rewritten")
-    else:
-        print(f"{args.readme}: tables and figures already up to date")
+    for doc, path in paths.items():
+        if new[doc] != texts[doc]:
+            path.write_text(new[doc])
+            print(f"{path}: tables and figures rewritten")
+        else:
+            print(f"{path}: tables and figures already up to date")
     return 0
 
 

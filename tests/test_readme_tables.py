@@ -1,6 +1,9 @@
-"""The README's results tables are the ones benchmarks/readme_tables.py builds from the committed
-results files, and its --check catches a single altered figure, naming the table."""
+"""The results tables of README.md and docs/RESULTS.md are the ones benchmarks/readme_tables.py
+builds from the committed results files, each table in exactly one of the two, and its --check
+catches a single altered figure in either, naming the table; the README stays short."""
 
+import posixpath
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,18 +14,53 @@ from benchmarks import readme_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOC = readme_tables.DOC  # docs/RESULTS.md
+RESULTS_DOC = (ROOT / DOC).read_text()
+TEXTS = {readme_tables.README: README, DOC: RESULTS_DOC}
 
 
 def test_readme_tables_match_the_results_files():
     assert readme_tables.check(README) == []
 
 
-def test_every_table_has_its_markers_and_rows():
+def test_results_doc_tables_match_the_results_files():
+    assert readme_tables.check(RESULTS_DOC, doc=DOC) == []
+    assert readme_tables.check_documents(TEXTS) == []
+
+
+def test_every_table_is_in_exactly_one_document():
+    held = {doc: readme_tables.tables_in(text) for doc, text in TEXTS.items()}
     for name in readme_tables.TABLES:
-        a, b = readme_tables._span(README, name)
-        lines = README[a:b].splitlines()
-        assert lines[0].startswith("| model |"), (name, lines[0])
-        assert sum(line.startswith("| ") for line in lines) >= 3, name  # header and 2+ rows
+        assert sum(name in names for names in held.values()) == 1, (name, held)
+    # the long ones live in docs/RESULTS.md, the short ones in the README
+    assert {"budget", "compiled"} <= set(held[DOC]), held
+    assert {"deit", "cnn", "llm", "ckpt"} <= set(held["README.md"]), held
+
+
+def test_every_table_has_its_markers_and_rows():
+    for doc, text in TEXTS.items():
+        for name in readme_tables.tables_in(text):
+            a, b = readme_tables._span(text, name, doc)
+            lines = text[a:b].splitlines()
+            assert lines[0].startswith("| model |"), (doc, name, lines[0])
+            assert sum(line.startswith("| ") for line in lines) >= 3, name  # header and 2+ rows
+
+
+def test_the_links_in_each_table_reach_the_results_files_from_its_document():
+    for doc, text in TEXTS.items():
+        for name in readme_tables.tables_in(text):
+            a, b = readme_tables._span(text, name, doc)
+            links = re.findall(r"\]\(([^)]+)\)", text[a:b])
+            assert links, (doc, name)
+            for link in links:
+                path = posixpath.normpath(posixpath.join(posixpath.dirname(doc), link))
+                assert (ROOT / path).is_file(), (doc, name, link)
+    assert "](../benchmarks/results/budget_gpu_llama.md)" in RESULTS_DOC
+
+
+def test_the_readme_is_under_350_lines():
+    # issue 39: the long tables live in docs/RESULTS.md; the README keeps their summaries
+    assert len(README.splitlines()) < 350
 
 
 def test_an_altered_figure_fails_naming_the_table():
@@ -36,9 +74,73 @@ def test_an_altered_figure_fails_naming_the_table():
     assert "1.46x" in problems[0] and "1.47x" in problems[0]
 
 
+def test_an_altered_figure_in_the_results_doc_fails_naming_the_table():
+    # the Llama-shaped 1B's plan at half the plain peak in the budget table, budget_gpu_llama
+    row = next(
+        line for line in RESULTS_DOC.splitlines() if line.startswith("| Llama-shaped 1B | plan 0.5 |")
+    )
+    assert "| 12,022 |" in row
+    altered = RESULTS_DOC.replace(row, row.replace("| 12,022 |", "| 12,023 |"))
+    line = RESULTS_DOC[: RESULTS_DOC.index(row)].count("\n") + 1
+    problems = readme_tables.check(altered, doc=DOC)
+    assert len(problems) == 1, problems
+    msg = problems[0]
+    assert msg.startswith(f"table 'budget' differs from the results files at {DOC} line {line}:"), msg
+    assert "12,023" in msg and "12,022" in msg
+    assert readme_tables.check_documents({**TEXTS, DOC: altered}) == problems
+    assert readme_tables.update(altered, doc=DOC) == RESULTS_DOC
+
+
+def test_an_altered_inline_figure_in_the_results_doc_fails_naming_it_and_its_line():
+    marker = (
+        "<!-- fig:compile_speed_s:row=plain compiled, activation_memory_budget 0.5:"
+        "activation_reduction:x -->1.54x<!-- /fig -->"
+    )
+    assert RESULTS_DOC.count(marker) == 1
+    line = RESULTS_DOC[: RESULTS_DOC.index(marker)].count("\n") + 1
+    altered = RESULTS_DOC.replace(marker, marker.replace("1.54x", "1.55x"))
+    problems = readme_tables.check(altered, doc=DOC)
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"figure differs from the results files at {DOC} line {line}:")
+    assert "'1.55x'" in problems[0] and "'1.54x'" in problems[0]
+    assert readme_tables.update(altered, doc=DOC) == RESULTS_DOC
+
+
 def test_a_missing_marker_is_reported():
     problems = readme_tables.check(README.replace("<!-- /table:llm -->", ""))
-    assert any("table:llm" in p for p in problems), problems
+    assert any("README.md: table 'llm'" in p and "table:llm" in p for p in problems), problems
+    problems = readme_tables.check(RESULTS_DOC.replace("<!-- table:budget -->", ""), doc=DOC)
+    assert any(p.startswith(f"{DOC}: table 'budget'") for p in problems), problems
+
+
+def test_a_table_in_neither_document_or_in_both_is_reported():
+    block = re.search(r"^<!-- table:budget -->\n.*?^<!-- /table:budget -->\n", RESULTS_DOC, re.M | re.S)
+    gone = {**TEXTS, DOC: RESULTS_DOC.replace(block[0], "")}
+    problems = readme_tables.check_documents(gone)
+    assert problems == [
+        "table 'budget': no <!-- table:budget --> ... <!-- /table:budget --> block "
+        f"in README.md or {DOC}"
+    ]
+    with pytest.raises(ValueError, match="table 'budget': no <!-- table:budget -->"):
+        readme_tables.update_documents(gone)
+    both = {**TEXTS, "README.md": README + "\n" + block[0]}
+    problems = readme_tables.check_documents(both)
+    # first the placement, then the copy's links, written for docs/, that differ in the README
+    assert problems[0] == (
+        f"table 'budget': markers in README.md and {DOC}; a table lives in exactly one of them"
+    )
+    assert problems[1].startswith("table 'budget' differs from the results files at README.md")
+    with pytest.raises(ValueError, match="table 'budget': markers in README.md and"):
+        readme_tables.update_documents(both)
+
+
+def test_a_marker_naming_no_table_is_reported():
+    text = README + "\n<!-- table:budgets -->\n<!-- /table:budgets -->\n"
+    problems = readme_tables.check(text)
+    assert len(problems) == 2 and all("names no table" in p for p in problems), problems
+    assert "<!-- table:budgets -->" in problems[0]
+    with pytest.raises(ValueError, match="names no table"):
+        readme_tables.update(text)
 
 
 def test_update_restores_an_altered_readme():
@@ -47,20 +149,45 @@ def test_update_restores_an_altered_readme():
     assert readme_tables.update(altered) == README
 
 
-def test_check_command_exits_nonzero_on_a_stale_readme_without_importing_torch(tmp_path):
-    stale = tmp_path / "README.md"
-    stale.write_text(README.replace("| 4,699 | 1,980 |", "| 4,699 | 1,981 |"))
+def _run_script(*args: str) -> subprocess.CompletedProcess:
+    """benchmarks/readme_tables.py with ``args``; prints its exit code and whether torch loaded."""
     probe = (
         "import runpy, sys\n"
-        "sys.argv = [sys.argv[1], '--check', '--readme', sys.argv[2]]\n"
+        "sys.argv = sys.argv[1:]\n"
         "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
         "except SystemExit as e:\n    print('EXIT', e.code, 'TORCH', 'torch' in sys.modules)\n"
     )
     script = str(ROOT / "benchmarks" / "readme_tables.py")
-    proc = subprocess.run([sys.executable, "-c", probe, script, str(stale)],
+    return subprocess.run([sys.executable, "-c", probe, script, *args],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
+
+
+def test_check_command_exits_nonzero_on_a_stale_readme_without_importing_torch(tmp_path):
+    stale = tmp_path / "README.md"
+    stale.write_text(README.replace("| 4,699 | 1,980 |", "| 4,699 | 1,981 |"))
+    proc = _run_script("--check", "--readme", str(stale))
     assert proc.stdout.strip() == "EXIT 1 TORCH False", (proc.stdout, proc.stderr)
     assert "table 'deit' differs" in proc.stderr and "1,981" in proc.stderr
+
+
+def test_check_command_exits_nonzero_on_a_stale_results_doc_naming_the_table(tmp_path):
+    stale = tmp_path / "RESULTS.md"
+    stale.write_text(RESULTS_DOC.replace("| 4,945 | 5,171 / 4,866 |", "| 4,946 | 5,171 / 4,866 |"))
+    proc = _run_script("--check", "--results-doc", str(stale))
+    assert proc.stdout.strip() == "EXIT 1 TORCH False", (proc.stdout, proc.stderr)
+    assert f"table 'budget' differs from the results files at {DOC} line" in proc.stderr
+    assert "4,946" in proc.stderr and "README.md" not in proc.stderr
+
+
+def test_the_command_rewrites_both_documents(tmp_path):
+    readme, doc = tmp_path / "README.md", tmp_path / "RESULTS.md"
+    readme.write_text(README.replace("| 4,699 | 1,980 |", "| 4,699 | 1,981 |"))
+    doc.write_text(RESULTS_DOC.replace("| 4,945 | 5,171 / 4,866 |", "| 4,946 | 5,171 / 4,866 |"))
+    proc = _run_script("--readme", str(readme), "--results-doc", str(doc))
+    assert proc.stdout.strip().endswith("EXIT 0 TORCH False"), (proc.stdout, proc.stderr)
+    assert readme.read_text() == README and doc.read_text() == RESULTS_DOC
+    proc = _run_script("--check", "--readme", str(readme), "--results-doc", str(doc))
+    assert proc.stdout.strip().endswith("EXIT 0 TORCH False"), (proc.stdout, proc.stderr)
 
 
 # --- inline figures in the prose --------------------------------------------------------------
@@ -73,6 +200,12 @@ def test_the_readme_has_inline_figures_and_they_match():
     assert README.count("<!-- fig:") == README.count("<!-- /fig -->")
     assert EAGER_S in README  # DeiT-S eager step ratio in Limits, compile_speed_s.jsonl
     assert readme_tables._check_figures(README, ROOT) == []
+
+
+def test_the_results_doc_has_inline_figures_and_they_match():
+    assert RESULTS_DOC.count("<!-- fig:") >= 20
+    assert RESULTS_DOC.count("<!-- fig:") == RESULTS_DOC.count("<!-- /fig -->")
+    assert readme_tables._check_figures(RESULTS_DOC, ROOT, DOC) == []
 
 
 def test_an_altered_inline_figure_fails_naming_it_and_its_line():
