@@ -38,7 +38,7 @@ from mesa_lite.ops.attention import (
     sdpa_run,
     split_qkv,
 )
-from mesa_lite.ops.common import autocast_cast, first_order_only, fresh, keep, recast
+from mesa_lite.ops.common import autocast_cast, first_order_only, fresh, keep, recast, weight_cast
 from mesa_lite.ops.dropout import dropout_backward, dropout_forward
 from mesa_lite.ops.gelu import gelu_input_grad
 from mesa_lite.ops.layer_norm import keep_normalized, layer_norm_backward
@@ -124,13 +124,13 @@ class NormAttentionFn(torch.autograd.Function):
         norm_cfg, dtype, heads, head_dim, is_causal, spec = cfg
         h, xc, mean, rstd = _layer_norm(x, ln_w, ln_b, norm_cfg)
         hc = autocast_cast(h, dtype)
-        qkv = F.linear(hc, autocast_cast(qkv_w, dtype), autocast_cast(qkv_b, dtype))
+        qkv = F.linear(hc, weight_cast(qkv_w, dtype), autocast_cast(qkv_b, dtype))
         B, N, _ = qkv.shape
         q, k, v = split_qkv(qkv, heads)
         backend = _sdpa_choice(q, k, v, is_causal)
         out, lse, extra, ctx.max_qk = sdpa_run(q, k, v, backend, 0.0, is_causal, None)
         o = out.transpose(1, 2).reshape(B, N, heads * head_dim)
-        y = F.linear(o, autocast_cast(proj_w, dtype), autocast_cast(proj_b, dtype))
+        y = F.linear(o, weight_cast(proj_w, dtype), autocast_cast(proj_b, dtype))
 
         n = ctx.needs_input_grad
         need_ln = n[0] or n[1] or n[2]
@@ -202,11 +202,11 @@ class NormMlpFn(torch.autograd.Function):
         norm_cfg, dtype, gelu_dtype, approximate, spec = cfg
         h, xc, mean, rstd = _layer_norm(x, ln_w, ln_b, norm_cfg)
         hc = autocast_cast(h, dtype)
-        a = F.linear(hc, autocast_cast(w1, dtype), autocast_cast(b1, dtype))
+        a = F.linear(hc, weight_cast(w1, dtype), autocast_cast(b1, dtype))
         ac = autocast_cast(a, gelu_dtype)
         g = F.gelu(ac, approximate=approximate)
         gc = autocast_cast(g, dtype)
-        y = F.linear(gc, autocast_cast(w2, dtype), autocast_cast(b2, dtype))
+        y = F.linear(gc, weight_cast(w2, dtype), autocast_cast(b2, dtype))
 
         n = ctx.needs_input_grad
         need_a = n[0] or n[1] or n[2] or n[3] or n[4]  # the gradient of fc1's output
@@ -268,12 +268,12 @@ class GatedMlpFn(torch.autograd.Function):
         dtype, fn, _, spec = cfg
         state = autocast_state(x.device)
         xc = autocast_cast(x, dtype)
-        g = F.linear(xc, autocast_cast(gw, dtype), autocast_cast(gb, dtype))
+        g = F.linear(xc, weight_cast(gw, dtype), autocast_cast(gb, dtype))
         a = fn(g)
-        u = F.linear(xc, autocast_cast(uw, dtype), autocast_cast(ub, dtype))
+        u = F.linear(xc, weight_cast(uw, dtype), autocast_cast(ub, dtype))
         prod = a * u
         prodc = autocast_cast(prod, dtype)
-        y = F.linear(prodc, autocast_cast(dw, dtype), autocast_cast(db, dtype))
+        y = F.linear(prodc, weight_cast(dw, dtype), autocast_cast(db, dtype))
 
         n = ctx.needs_input_grad
         need_gu = any(n[:7])
@@ -337,7 +337,7 @@ def _project(kind: str, x, w, b, dtype):
     (Hugging Face's ``Conv1D``, weight (in, out)), with autocast's casts to ``dtype``."""
     if kind == "addmm":
         return addmm_forward(x, w, b, dtype)
-    return F.linear(x, autocast_cast(w, dtype), autocast_cast(b, dtype))
+    return F.linear(x, weight_cast(w, dtype), autocast_cast(b, dtype))
 
 
 def _project_col_major(kind: str, x, w) -> tuple:

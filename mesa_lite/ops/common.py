@@ -94,6 +94,18 @@ def autocast_cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Te
     return cast(t, dtype)
 
 
+def weight_cast(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``autocast_cast`` of a weight in a Function's forward, where grad mode is off: the cast
+    carries the weight's ``requires_grad``, as autocast's own (differentiable) cast does in
+    the module's forward. ``F.linear`` of a non-contiguous 3-D input runs ``at::matmul``,
+    which folds the batch into one mm only when the weight requires grad, else runs a bmm that
+    rounds otherwise (LeViT's transposed qkv input under bf16 autocast on the CPU)."""
+    out = autocast_cast(w, dtype)
+    if out is not w and w.requires_grad and not torch.compiler.is_compiling():
+        out.requires_grad_()
+    return out
+
+
 def recast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
     """``autocast_cast`` of a parameter again in backward (the forward's cast is not kept).
 

@@ -17,6 +17,7 @@ from mesa_lite.ops.common import (
     keep,
     plain_under_functorch,
     recast,
+    weight_cast,
     register_probe,
 )
 
@@ -47,7 +48,7 @@ class LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, dtype: torch.dtype | None, spec: QuantSpec, shares=(None,)):
-        out = F.linear(x, autocast_cast(weight, dtype), autocast_cast(bias, dtype))
+        out = F.linear(x, weight_cast(weight, dtype), autocast_cast(bias, dtype))
         need_x, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[0]
         px = keep(x, spec, share_key=shares[0]) if need_x else None
         quant.save(ctx, px, weight if need_w else None)
