@@ -7,7 +7,9 @@ supported-looking modules it skipped, with the reason (a subclass with its own f
 module an ``accepts`` predicate rejects, such as timm's LayerNorm on its fast-norm path).
 
 The line is at INFO level when nothing was skipped that the user did not ask to skip, at
-WARNING level otherwise. Python shows WARNING records on stderr without any set-up; to see the
+WARNING level otherwise, and when modules of the opt-in kinds (convolutions, batch norms, ...)
+that the config leaves out hold most of the model's parameters (a CNN wrapped with the
+default layers: the line names the option that compresses them). Python shows WARNING records on stderr without any set-up; to see the
 INFO line too, configure logging, e.g. ``logging.basicConfig(level=logging.INFO)``, or, for
 mesa_lite's records only, ``logging.basicConfig()`` and
 ``logging.getLogger("mesa_lite").setLevel(logging.INFO)`` (a level alone is not enough: with
@@ -396,6 +398,8 @@ def _wrap(model, config, filter_fn):
     specs: Counter[str] = Counter()
     exact: Counter[str] = Counter()
     skipped: Counter[tuple[str, str]] = Counter()
+    opt_out: Counter[str] = Counter()  # modules of opt-in kinds the config leaves out
+    opt_out_params = 0
     built = before = changed = back = 0
     for name, module in modules:
         prev = prev_base = None
@@ -414,6 +418,11 @@ def _wrap(model, config, filter_fn):
             if prev is not None:
                 _restore(module, *prev)
             raise
+        if plan is None:
+            found = _lookup(base_type(module), module)
+            if found is not None and found[1].kind in OPT_IN_KINDS - config.layers:
+                opt_out[found[1].kind] += 1
+                opt_out_params += _numel(module.parameters(recurse=False))
         if plan is None or plan.entry is None:
             if plan is not None and plan.skip is None:
                 exact[plan.kind] += 1
@@ -468,8 +477,23 @@ def _wrap(model, config, filter_fn):
             )
             + f", {config.checkpoint_inner} inside"
         )
-    logger.log(logging.WARNING if skipped else logging.INFO, line)
+    total = _numel(model.parameters())
+    bulk_plain = bool(opt_out) and opt_out_params * 2 > total
+    if bulk_plain:
+        line += (
+            f"; left plain {sum(opt_out.values())} modules of the opt-in kinds "
+            f"({_kinds(opt_out)}) holding {100 * opt_out_params / total:.0f}% of the "
+            "parameters: Config(layers=mesa_lite.DEFAULT_LAYERS | mesa_lite.OPT_IN_KINDS) "
+            "compresses them too"
+        )
+    logger.log(logging.WARNING if skipped or bulk_plain else logging.INFO, line)
     return model
+
+
+def _numel(params) -> int:
+    """Elements of ``params`` (a lazy module's uninitialized ones count 0)."""
+    return sum(0 if isinstance(p, nn.parameter.UninitializedParameter) else p.numel()
+               for p in params)  # fmt: skip
 
 
 def _check_no_other_checkpointing(model: nn.Module) -> None:

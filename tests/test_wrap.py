@@ -396,10 +396,13 @@ def test_timm_linear_classifier_of_mobilenetv3_is_converted(caplog):
     with caplog.at_level(logging.INFO, logger="mesa_lite"):
         mesa_lite.wrap(model)
     [record] = caplog.records
-    assert record.levelno == logging.INFO
-    assert record.getMessage() == (
-        "mesa_lite.wrap: converted 1 module of MobileNetV3 (linear 1) at int8 g128 nearest"
+    # its convolutions and batch norms (opt-in kinds) hold the bulk: a warning names the option
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().startswith(
+        "mesa_lite.wrap: converted 1 module of MobileNetV3 (linear 1) at int8 g128 nearest; "
+        "left plain"
     )
+    assert "mesa_lite.OPT_IN_KINDS" in record.getMessage()
     assert set(mesa_lite.wrapped_modules(model)) == {"classifier"}
     assert isinstance(model.classifier, timm.layers.Linear)
     assert isinstance(model.classifier, mesa_lite.Linear)
@@ -519,3 +522,22 @@ def test_first_wrap_of_a_plain_model_imports_no_integration():
                          timeout=120, check=True).stdout.split("\n")  # fmt: skip
     assert out[0] == "[]", out
     assert out[1] == "mesa_lite.integrations.timm", out
+
+
+def test_a_cnn_wrapped_with_the_default_layers_warns_naming_the_opt_in_kinds(caplog):
+    """A CNN's bulk is of the opt-in kinds: the default wrap converts its head only, and says
+    so at WARNING level (shown without any logging set-up), naming the option."""
+    net = nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3),
+                        nn.Flatten(), nn.Linear(16, 4))  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        mesa_lite.wrap(net)
+    (record,) = [r for r in caplog.records if r.name == "mesa_lite"]
+    assert record.levelno == logging.WARNING
+    assert "left plain 4 modules of the opt-in kinds (conv 2, relu 1, batchnorm 1)" in record.message
+    assert "Config(layers=mesa_lite.DEFAULT_LAYERS | mesa_lite.OPT_IN_KINDS)" in record.message
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):  # a transformer's bulk is converted
+        mesa_lite.wrap(nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16),
+                                     nn.BatchNorm1d(16)))  # fmt: skip
+    (record,) = [r for r in caplog.records if r.name == "mesa_lite"]
+    assert record.levelno == logging.INFO and "left plain" not in record.message
