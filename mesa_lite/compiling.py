@@ -29,10 +29,16 @@ def compile(  # noqa: A001
 
     ``mode`` is turned into its Inductor options (torch.compile takes a mode or options, not
     both); ``options`` given here override ``INDUCTOR_OPTIONS``. Another backend than
-    Inductor gets the call unchanged.
+    Inductor gets the call unchanged, but for ``dynamic``.
+
+    ``dynamic`` is False unless given: the attention's SDPA backend choice is made while
+    tracing on concrete sizes, and with symbolic ones (torch.compile's automatic dynamic
+    shapes, after an input of a new sequence length) a fullgraph compile failed. A new input
+    shape compiles a graph of its own (``torch._dynamo.config.recompile_limit`` applies).
     """
     import torch
 
+    kwargs.setdefault("dynamic", False)
     backend = kwargs.get("backend") or "inductor"
     if backend != "inductor":
         return torch.compile(model, mode=mode, options=options, **kwargs)
