@@ -150,7 +150,9 @@ def pack_positive(x: torch.Tensor, use_triton: bool | None = None) -> torch.Tens
         use_triton = use_triton_for(x)
     if not use_triton or x.dtype not in _PACKS:
         return pack_positive_ref(x)
-    return _packed(_PACK_POSITIVE, x.contiguous())
+    # not x.contiguous() on a contiguous x: that returns x itself, and x is often a Function's
+    # output (ReLU's), which an op must not return twice (tests/alias_check.py)
+    return _packed(_PACK_POSITIVE, x if x.is_contiguous() else x.contiguous())
 
 
 def relu_backward(
