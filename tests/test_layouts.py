@@ -101,11 +101,40 @@ def _run(module, x, precision, device):
         return module(x)
 
 
+def _force_triton(monkeypatch):
+    """The Triton kernels for CPU tensors too (in Triton's interpreter, which the suite turns
+    on without a GPU): the path CUDA tensors take."""
+    import mesa_lite.kernels.bits
+    import mesa_lite.kernels.group_quant
+    import mesa_lite.kernels.launch
+    import mesa_lite.quant
+
+    launch = mesa_lite.kernels.launch
+    if not launch.HAS_TRITON or not launch.INTERPRETING:
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1)")
+
+    def force(t):
+        return not torch.compiler.is_compiling()
+
+    for module, name in ((launch, "use_triton"), (mesa_lite.quant, "use_triton"),
+                         (mesa_lite.kernels.bits, "use_triton_for"),
+                         (mesa_lite.kernels.group_quant, "use_triton_for")):  # fmt: skip
+        monkeypatch.setattr(module, name, force)
+
+
+# "triton": the CUDA path's kernels on CPU tensors (the CPU runs the references otherwise)
+PATHS = [("cpu", "default"), ("cpu", "triton")] + (
+    [("cuda", "default")] if "cuda" in DEVICES else []
+)
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", list(MODULES))
-@pytest.mark.parametrize("device", DEVICES)
-def test_forward_is_torch_s_for_every_layout(name, layout, precision, device):
+@pytest.mark.parametrize("device, path", PATHS, ids=[f"{d}-{p}" for d, p in PATHS])
+def test_forward_is_torch_s_for_every_layout(name, layout, precision, device, path, monkeypatch):
+    if path == "triton":
+        _force_triton(monkeypatch)
     device = torch.device(device)
     factory, shape = MODULES[name]
     torch.manual_seed(0)
