@@ -39,6 +39,8 @@ def compile(  # noqa: A001
     import torch
 
     kwargs.setdefault("dynamic", False)
+    if kwargs.get("fullgraph") and model is not None:
+        _refuse_fullgraph_checkpointing(model)
     backend = kwargs.get("backend") or "inductor"
     if backend != "inductor":
         return torch.compile(model, mode=mode, options=options, **kwargs)
@@ -48,3 +50,22 @@ def compile(  # noqa: A001
     merged.update(INDUCTOR_OPTIONS)
     merged.update(options or {})
     return torch.compile(model, options=merged, **kwargs)
+
+
+def _refuse_fullgraph_checkpointing(model) -> None:
+    """mesa_lite's checkpointing (``Config(checkpoint=...)``) runs each checkpointed block
+    outside the compiled graph (its recompute in backward is not traceable): with
+    ``fullgraph=True`` Dynamo would stop at the first one with a message that names neither."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        return
+    names = [n for n, m in model.named_modules() if "_mesa_ckpt_spec" in m.__dict__]
+    if names:
+        raise ValueError(
+            f"mesa_lite.compile: fullgraph=True cannot trace mesa_lite's activation "
+            f"checkpointing ({len(names)} checkpointed modules, e.g. {names[0]!r}; each runs "
+            "outside the graph). Compile without fullgraph (a graph between checkpointed "
+            "blocks), or wrap without Config(checkpoint=...) and use torch.compile's "
+            "activation_memory_budget for recomputation"
+        )

@@ -383,3 +383,17 @@ def test_mesa_lite_compile_turns_off_inductor_peak_memory_reordering(monkeypatch
     monkeypatch.setattr(torch, "compile", lambda m=None, **kw: seen.update(kw, model=m) or m)
     mesa_lite.compile(fullgraph=True)  # without a model: torch.compile's decorator form
     assert seen["model"] is None and seen["fullgraph"] is True
+
+
+def test_fullgraph_with_mesa_checkpointing_is_refused_by_name():
+    """Dynamo would stop at the first checkpointed block with 'function marked as skipped';
+    mesa_lite.compile says what and why, and compiles without fullgraph."""
+    torch.manual_seed(0)
+    model = mesa_lite.wrap(tiny_vit(True), mesa_lite.Config(checkpoint="blocks"))
+    with pytest.raises(ValueError, match="fullgraph=True cannot trace mesa_lite's activation "
+                                         "checkpointing .* e.g. 'blocks.0'"):  # fmt: skip
+        mesa_lite.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = mesa_lite.compile(model, backend="aot_eager")
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    compiled(x).float().square().mean().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
