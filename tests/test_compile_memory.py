@@ -133,3 +133,33 @@ def test_compiled_loss_backward_is_one_expression(monkeypatch):
             targets = {str(n.target) for n in bw.graph.nodes if n.op == "call_function"}
             assert not any("scatter" in t or "index_put" in t for t in targets), targets
     assert sqnr_db(grads[0], grads[1]) > 40
+
+
+def test_inductor_writes_no_fp32_logits_in_the_loss_backward():
+    """Inductor's generated backward of a wrapped GPT-2 (its logits returned, its loss
+    mesa_lite's) holds no fp32 buffer of the logits' size: every rows x vocab value of the
+    compiled loss gradient is read by one op, so none is written out (GPT-2 small: 1,570 MiB).
+    The bf16 gradient of the logits is the one such buffer."""
+    transformers = pytest.importorskip("transformers")
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    batch, seq, vocab = 4, 128, 32768  # (smaller, Inductor fused the former form as well)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, n_positions=seq,
+                                  vocab_size=vocab, attn_pdrop=0.0, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, loss_type="ForCausalLM")  # fmt: skip
+    torch.manual_seed(0)
+    model = mesa_lite.wrap(transformers.GPT2LMHeadModel(cfg).train())
+    compiled = mesa_lite.compile(model, backend="inductor")
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+
+    _, codes = run_and_get_code(step)
+    sizes = (f"({batch}, {seq}, {vocab})", f"({batch * seq}, {vocab})")
+    buffers = [line.strip() for code in codes for line in code.splitlines()
+               if "empty_strided" in line and any(z in line for z in sizes)]  # fmt: skip
+    assert buffers and not [b for b in buffers if "float32" in b], buffers

@@ -237,10 +237,10 @@ def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None,
     if shift_labels is None:
         labels = F.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:].contiguous()
-    logits = logits.view(-1, vocab_size)
-    shift_labels = shift_labels.view(-1).to(logits.device)
+    shift_labels = shift_labels.to(logits.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = cross_entropy(logits, shift_labels, ignore_index, reduction)
+    # the logits in their own shape (see ChunkedCrossEntropyFn); rows x vocab for the plain op
+    loss = cross_entropy(logits, shift_labels, ignore_index, reduction, rows=True)
     if reduction == "sum":
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss.device)

@@ -12,9 +12,10 @@ instead of in one reduction (tested: relative difference below 1e-6).
 
 Under torch.compile both directions are written whole, without chunks: Inductor fuses the
 fp32 upcast, the softmax and the one-hot subtraction into one kernel per direction that
-reads the logits and writes their gradient, so nothing of rows x vocab in fp32 exists there
-either. Chunked, the compiled backward kept the gradient's slices and copies of the whole
-(GPT-2 small, batch 8 x 1024: 2,647 MiB of backward temporaries against 978 eager).
+reads the logits and writes their gradient (see ``_compiled_grad`` for how it is written so
+that nothing of rows x vocab in fp32 is written out). The logits may come in any shape
+``(..., vocab)`` (a language model's ``(batch, seq, vocab)``), and their gradient has that
+shape.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ class ChunkedCrossEntropyFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, ignore_index: int, reduction: str, upcast: bool = True):
+        # rows: every dim but the last (a language model's (batch, seq, vocab) logits as they
+        # are: their gradient then has the logits' own shape, which under torch.compile lets
+        # Inductor fuse it with the logits' other gradient instead of writing it out in fp32)
+        ctx.shape = logits.shape
+        given = logits, labels
+        logits = logits.reshape(-1, logits.shape[-1])
+        labels = labels.reshape(-1)
         n, vocab = logits.shape
         # Out of place, and no cast to the dtype a tensor has: the tensor returned is one op's
         # result. An in-place sum or a no-op cast returned here makes torch 2.11's compiler
@@ -63,7 +71,7 @@ class ChunkedCrossEntropyFn(torch.autograd.Function):
         if total is None:  # no rows
             total = logits.new_zeros((), dtype=torch.float32)
         count = labels.ne(ignore_index).sum()
-        ctx.save_for_backward(logits, labels)
+        ctx.save_for_backward(*given)
         ctx.ignore_index, ctx.reduction = ignore_index, reduction
         if reduction == "mean":
             ctx.count = count
@@ -73,13 +81,15 @@ class ChunkedCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
-        logits, labels = ctx.saved_tensors
-        n, vocab = logits.shape
+        logits, labels = ctx.saved_tensors  # in their own shapes
+        vocab = logits.shape[-1]
         scale = grad.float()
         if ctx.reduction == "mean":  # no label left: PyTorch's gradient is 0 (the loss is NaN)
             scale = scale / ctx.count.clamp_min(1)
         if torch.compiler.is_compiling():
             return _compiled_grad(logits, labels, ctx.ignore_index, scale), None, None, None, None
+        logits, labels = logits.reshape(-1, vocab), labels.reshape(-1)
+        n = logits.shape[0]
         out = torch.empty_like(logits)
         for a, b in _chunks(n, vocab):
             lab = labels[a:b]
@@ -91,37 +101,45 @@ class ChunkedCrossEntropyFn(torch.autograd.Function):
             # divided by num_items_in_batch = 0 when every label is ignored)
             g.masked_fill_(~keep, 0.0)
             out[a:b] = g
-        return out, None, None, None, None
+        return out.view(ctx.shape), None, None, None, None
 
 
 def _compiled_grad(logits, labels, ignore_index: int, scale) -> torch.Tensor:
     """The backward's gradient as one expression (pointwise on the fp32 softmax) that Inductor
     fuses: no scatter, no slices written into a buffer."""
-    vocab = logits.shape[1]
-    keep = labels.ne(ignore_index).unsqueeze(1)
-    hit = torch.arange(vocab, device=logits.device) == labels.clamp(0, vocab - 1).unsqueeze(1)
+    vocab = logits.shape[-1]
+    keep = labels.ne(ignore_index).unsqueeze(-1)
+    hit = torch.arange(vocab, device=logits.device) == labels.clamp(0, vocab - 1).unsqueeze(-1)
     x = logits.float()
-    # exp(x - logsumexp(x)), not torch.softmax: the softmax's exp(x - max) feeds both its sum
-    # and its division, and Inductor then writes it out whole (rows x vocab in fp32, 1,570 MiB
-    # for GPT-2 small at batch 8 x 1024); here the one exp inside the reduction stays there
-    g = torch.exp(x - torch.logsumexp(x, -1, keepdim=True))
-    g = torch.where(hit & keep, g - 1.0, g) * scale
+    # every rows x vocab value read by one op only: Inductor writes out (realizes) an exp that
+    # two ops read, rows x vocab in fp32 (1,570 MiB for GPT-2 small at batch 8 x 1024): the
+    # softmax's exp(x - max) feeds its sum and its division, and a where(hit, g - 1, g) reads
+    # g twice. exp(x - logsumexp(x)) keeps the reduction's exp inside the reduction, and the
+    # one-hot is subtracted as a float mask (the generated CPU code holds no fp32 buffer then)
+    g = (torch.exp(x - torch.logsumexp(x, -1, keepdim=True)) - (hit & keep).float()) * scale
     return torch.where(keep, g, 0.0).to(logits.dtype)
 
 
 def cross_entropy(logits, labels, ignore_index: int = -100, reduction: str = "mean",
-                  upcast: bool = True):  # fmt: skip
+                  upcast: bool = True, rows: bool = False):  # fmt: skip
     """``F.cross_entropy(logits.float() if upcast else logits, labels, ...)`` for 2-D logits
     through ``ChunkedCrossEntropyFn`` (logits that need no grad, or other reductions: the
-    plain op)."""
-    if reduction not in ("mean", "sum") or not (torch.is_grad_enabled() and logits.requires_grad):
-        return F.cross_entropy(
-            logits.float() if upcast else logits, labels, ignore_index=ignore_index,
-            reduction=reduction,
-        )  # fmt: skip
-    if logits.dim() != 2 or labels.dim() != 1 or labels.shape[0] != logits.shape[0]:
+    plain op). ``rows``: ``logits`` of any shape ``(..., vocab)`` with ``labels`` of shape
+    ``(...)``, taken as ``logits.view(-1, vocab)`` and ``labels.view(-1)``."""
+    if rows:
+        if logits.dim() < 1 or tuple(labels.shape) != tuple(logits.shape[:-1]):
+            raise ValueError(
+                f"cross_entropy: expected logits (..., vocab) and labels (...), got "
+                f"{tuple(logits.shape)} and {tuple(labels.shape)}"
+            )
+    elif logits.dim() != 2 or labels.dim() != 1 or labels.shape[0] != logits.shape[0]:
         raise ValueError(
             f"cross_entropy: expected logits (rows, vocab) and labels (rows,), got "
             f"{tuple(logits.shape)} and {tuple(labels.shape)}"
         )
+    if reduction not in ("mean", "sum") or not (torch.is_grad_enabled() and logits.requires_grad):
+        return F.cross_entropy(
+            (logits.float() if upcast else logits).view(-1, logits.shape[-1]), labels.view(-1),
+            ignore_index=ignore_index, reduction=reduction,
+        )  # fmt: skip
     return ChunkedCrossEntropyFn.apply(logits, labels, ignore_index, reduction, upcast)
