@@ -375,7 +375,11 @@ def test_mesa_lite_compile_turns_off_inductor_peak_memory_reordering(monkeypatch
     assert seen["options"]["reorder_for_peak_memory"] is False
     assert seen["options"]["trace.enabled"] is False and "mode" not in seen
     mesa_lite.compile(base, backend="aot_eager", mode="default")
-    assert seen == {"backend": "aot_eager", "mode": "default", "options": None}
+    # (dynamic=False unless given: a new input shape compiles its own graph)
+    assert seen == {"backend": "aot_eager", "mode": "default", "options": None, "dynamic": False}
+    seen.clear()
+    mesa_lite.compile(base, backend="aot_eager", dynamic=True)
+    assert seen["dynamic"] is True
     seen.clear()
     mesa_lite.compile(base, backend=None)  # torch.compile's None is Inductor
     assert seen["options"] == {"reorder_for_peak_memory": False}
