@@ -413,3 +413,28 @@ def test_rms_norm_on_an_unbatched_input(kind):
     torch.manual_seed(0)
     norm = HFStyleRMSNorm(16) if kind == "hf" else nn.RMSNorm(16, eps=1e-6)
     _check(norm, torch.randn(16) * 2, None, floor=30.0)
+
+
+def test_cross_entropy_over_rows_of_any_shape(monkeypatch):
+    """``rows=True``: (batch, seq, vocab) logits and (batch, seq) labels give the loss and the
+    gradient of the flattened call, the gradient in the logits' own shape; bad shapes are
+    refused by name; without grad the plain op runs on the flattened tensors."""
+    monkeypatch.setattr(ce, "CHUNK_ELEMENTS", 7 * 50)  # several chunks
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 11, 50, generator=g).bfloat16()
+    labels = torch.randint(0, 50, (3, 11), generator=g)
+    labels[0, :4] = -100
+    a = logits.clone().requires_grad_()
+    b = logits.clone().flatten(0, 1).requires_grad_()
+    la = ce.cross_entropy(a, labels, rows=True)
+    lb = ce.cross_entropy(b, labels.flatten())
+    assert_equal(la, lb, "loss")
+    la.backward()
+    lb.backward()
+    assert a.grad.shape == a.shape
+    assert_equal(a.grad.flatten(0, 1), b.grad, "gradient")
+    with torch.no_grad():
+        assert_equal(ce.cross_entropy(logits, labels, rows=True),
+                     F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()), "no grad")
+    with pytest.raises(ValueError, match=r"expected logits \(\.\.\., vocab\) and labels"):
+        ce.cross_entropy(a, labels.flatten(), rows=True)

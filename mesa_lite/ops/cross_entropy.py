@@ -127,7 +127,7 @@ def cross_entropy(logits, labels, ignore_index: int = -100, reduction: str = "me
     plain op). ``rows``: ``logits`` of any shape ``(..., vocab)`` with ``labels`` of shape
     ``(...)``, taken as ``logits.view(-1, vocab)`` and ``labels.view(-1)``."""
     if rows:
-        if logits.dim() < 1 or tuple(labels.shape) != tuple(logits.shape[:-1]):
+        if logits.dim() < 2 or tuple(labels.shape) != tuple(logits.shape[:-1]):
             raise ValueError(
                 f"cross_entropy: expected logits (..., vocab) and labels (...), got "
                 f"{tuple(logits.shape)} and {tuple(labels.shape)}"
@@ -138,8 +138,8 @@ def cross_entropy(logits, labels, ignore_index: int = -100, reduction: str = "me
             f"{tuple(logits.shape)} and {tuple(labels.shape)}"
         )
     if reduction not in ("mean", "sum") or not (torch.is_grad_enabled() and logits.requires_grad):
-        return F.cross_entropy(
-            (logits.float() if upcast else logits).view(-1, logits.shape[-1]), labels.view(-1),
-            ignore_index=ignore_index, reduction=reduction,
-        )  # fmt: skip
+        x = logits.float() if upcast else logits
+        if rows:
+            x, labels = x.flatten(0, -2), labels.flatten()
+        return F.cross_entropy(x, labels, ignore_index=ignore_index, reduction=reduction)
     return ChunkedCrossEntropyFn.apply(logits, labels, ignore_index, reduction, upcast)
