@@ -833,12 +833,6 @@ def measure(
         del m, opt
         gc.collect()
     static = max(s.static for s in steps.values())
-    # what is kept outside the blocks before them depends on the first block's policy (a
-    # stem ReLU keeps the codes its convolutions reuse), after them on the last's: each part
-    # at its largest, as a mix may have both
-    outside = max(s.outside - s.outside_after for s in steps.values()) + max(
-        s.outside_after for s in steps.values()
-    )
     temporaries = 0
     transient = {p: 0 for p in policies}
     if device.type == "cuda":
@@ -861,6 +855,9 @@ def measure(
             outside=max(s.outside, first.outside),
             outside_after=max(s.outside_after, first.outside_after),
         )  # fmt: skip
+    # what is kept outside the blocks before them depends on the first block's policy (a
+    # stem ReLU keeps the codes its convolutions reuse), after them on the last's: each part
+    # at its largest, as a mix may have both
     outside = max(s.outside - s.outside_after for s in steps.values()) + max(
         s.outside_after for s in steps.values()
     )

@@ -310,16 +310,20 @@ def reset() -> None:
     _CACHE.clear()
 
 
-def _plain_attrs(m: nn.Module) -> tuple:
-    out = []
-    for k, v in sorted(vars(m).items()):
+def _proof_attrs(m: nn.Module):
+    """``(name, value)`` of the attributes of ``m`` a proof depends on: public, not its mode
+    or mesa_lite setting, not a tensor or a module."""
+    for k, v in vars(m).items():
         if k.startswith("_") or k in ("training", "mesa_spec"):
             continue
-        if isinstance(v, (bool, int, float, str, type(None))):
-            out.append((k, v))
-        elif not isinstance(v, (torch.Tensor, nn.Module)):
-            out.append((k, id(v)))  # shared objects (a model config): the same for every layer
-    return tuple(out)
+        if not isinstance(v, (torch.Tensor, nn.Module)):
+            yield k, v
+
+
+def _plain_attrs(m: nn.Module) -> tuple:
+    # shared objects (a model config) by identity: the same for every layer
+    return tuple((k, v if isinstance(v, (bool, int, float, str, type(None))) else id(v))
+                 for k, v in sorted(_proof_attrs(m), key=lambda kv: kv[0]))  # fmt: skip
 
 
 def _key(what: str, module: nn.Module) -> tuple:
@@ -572,15 +576,8 @@ def proved_attrs(module: nn.Module) -> tuple:
     """``(sub-module, name, value)`` for each plain attribute of ``module`` and its children
     that a proof assumed (tensors, modules and private names left out, and a dropout's ``p``:
     the fused path reads it on each call)."""
-    out = []
-    for m in module.modules():
-        for k, v in vars(m).items():
-            if k.startswith("_") or k in ("training", "mesa_spec"):
-                continue
-            if isinstance(v, (torch.Tensor, nn.Module)) or (k == "p" and isinstance(m, nn.Dropout)):
-                continue
-            out.append((m, k, v))
-    return tuple(out)
+    return tuple((m, k, v) for m in module.modules() for k, v in _proof_attrs(m)
+                 if not (k == "p" and isinstance(m, nn.Dropout)))  # fmt: skip
 
 
 _PLAIN = (bool, int, float, str, type(None), tuple)

@@ -9,8 +9,8 @@ module an ``accepts`` predicate rejects, such as timm's LayerNorm on its fast-no
 The line is at INFO level when nothing was skipped that the user did not ask to skip, at
 WARNING level otherwise, and when modules of the opt-in kinds (convolutions, batch norms, ...)
 that the config leaves out hold most of the model's parameters (a CNN wrapped with the
-default layers: the line names the option that compresses them). Python shows WARNING records on stderr without any set-up; to see the
-INFO line too, configure logging, e.g. ``logging.basicConfig(level=logging.INFO)``, or, for
+default layers: the line names the option that compresses them). Python shows WARNING records
+on stderr without any set-up; to see the INFO line too, configure logging, e.g. ``logging.basicConfig(level=logging.INFO)``, or, for
 mesa_lite's records only, ``logging.basicConfig()`` and
 ``logging.getLogger("mesa_lite").setLevel(logging.INFO)`` (a level alone is not enough: with
 no handler configured Python prints only WARNING and above).
@@ -264,6 +264,7 @@ class _Plan:
     entry: _Entry | None = None  # set: convert with ``spec``
     spec: QuantSpec | None = None
     skip: str | None = None  # set: skipped for this reason (the user did not ask for it)
+    opt_out: bool = False  # an opt-in kind the config does not name (counted for the summary)
 
 
 def _lookup(cls: type, module: nn.Module) -> tuple[type, _Entry] | None:
@@ -294,7 +295,7 @@ def _plan(
     if entry.applies is not None and not entry.applies(module):
         return None
     if entry.kind in OPT_IN_KINDS and entry.kind not in config.layers:
-        return None  # an opt-in kind the config does not name: not wrap's business
+        return _Plan(entry.kind, opt_out=True)  # not wrap's business but for its summary
     spec = config.spec_for(name, entry.kind)
     if spec is None or (filter_fn is not None and not filter_fn(name, module)):
         return _Plan(entry.kind)  # left exact by config
@@ -418,13 +419,11 @@ def _wrap(model, config, filter_fn):
             if prev is not None:
                 _restore(module, *prev)
             raise
-        if plan is None:
-            found = _lookup(base_type(module), module)
-            if found is not None and found[1].kind in OPT_IN_KINDS - config.layers:
-                opt_out[found[1].kind] += 1
-                opt_out_params += _numel(module.parameters(recurse=False))
         if plan is None or plan.entry is None:
-            if plan is not None and plan.skip is None:
+            if plan is not None and plan.opt_out:
+                opt_out[plan.kind] += 1
+                opt_out_params += _numel(module.parameters(recurse=False))
+            elif plan is not None and plan.skip is None:
                 exact[plan.kind] += 1
             elif plan is not None:
                 skipped[(base_type(module).__name__, plan.skip)] += 1
