@@ -34,6 +34,7 @@ tables) into a fresh runs/ folder unless --out names a prefix. Exits 1 if a row 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -130,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=nonnegative_int, default=None,
                    help="steps before the measured one (default: 2 on a GPU, 1 on CPU)",
                    )  # fmt: skip
+    p.add_argument("--time-lock", type=Path, default=None, metavar="FILE",
+                   help="hold an exclusive lock on FILE while timing steps, so that processes "
+                   "run side by side (one per model: Inductor compiles on the host) time one at "
+                   "a time")  # fmt: skip
     add_device_argument(p)
     add_out_argument(p, "llm_memory", "PREFIX.jsonl and .md")
     return p
@@ -221,6 +226,22 @@ def make_inputs(config, batch: int, seq: int, device):
     return ids.to(device), labels.to(device)
 
 
+@contextlib.contextmanager
+def _exclusive(path: Path | None):
+    """An exclusive advisory lock on ``path`` for the block (nothing without a path)."""
+    if path is None:
+        yield
+        return
+    import fcntl  # POSIX only, and only when asked for
+
+    with path.open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def measure(name: str, mode: str, config, ids, labels, args) -> dict:
     """One row: memory_breakdown of a step after the warm-up, then the timed steps."""
     device = torch.device(args.device)
@@ -239,9 +260,10 @@ def measure(name: str, mode: str, config, ids, labels, args) -> dict:
             model, step_fn, opt, steps=args.warmup + 1, set_to_none=False
         )
         timer = StepTimer(device)
-        for _ in range(args.steps):
-            with timer:
-                loss = breakdown.train_step(model, step_fn, opt, set_to_none=False)
+        with _exclusive(args.time_lock):
+            for _ in range(args.steps):
+                with timer:
+                    loss = breakdown.train_step(model, step_fn, opt, set_to_none=False)
     mib = lambda v: None if v is None else v / MIB  # noqa: E731
     gpu = bd.peak is not None
     return {

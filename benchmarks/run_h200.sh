@@ -129,14 +129,17 @@ if [[ $what == llm-compiled ]]; then
   # issue 38: compiled language models (bf16, same run): compiled plain, mesa_lite compiled,
   # Hugging Face checkpointing compiled, activation_memory_budget 0.5, Inductor's fp8 pass,
   # next to eager plain and eager int8; MODELS picks the models (default GPT-2 small), MODES
-  # the modes (default all of these)
+  # the modes (default all of these); a process per model side by side (Inductor compiles on
+  # the host), timing one at a time under a lock
   for m in ${MODELS:-gpt2}; do
     case $m in llama-1b) shape="--batch 4 --seq 2048";; bert) shape="--batch 8 --seq 512";;
       *) shape="--batch 8 --seq 1024";; esac
     python3 benchmarks/llm_memory.py --models "$m" $shape --steps 6 --modes ${MODES:-plain int8 \
       plain-compiled int8-compiled hf-ckpt-compiled budget0.5-compiled fp8-compiled} \
-      --out "$OUT/llm_compiled_$m" 2>&1 | grep -E "^\| |Error|error" | head -n 30
+      --time-lock "$OUT/.time_lock" --out "$OUT/llm_compiled_$m" > "$OUT/llm_compiled_$m.log" 2>&1 &
   done
+  wait
+  for m in ${MODELS:-gpt2}; do grep -E "^\| $m |Error|error" "$OUT/llm_compiled_$m.log" | head -n 12; done
 fi
 if [[ $what == llm ]]; then
   # issue 13: the language-model tests on CUDA, the memory and step-time rows (GPT-2 small and
