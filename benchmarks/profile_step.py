@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="amp = plain training, mesa = wrapped with the default Config")  # fmt: skip
     p.add_argument("--rows", type=positive_int, default=18, help="rows of each profiler table")
     p.add_argument("--compile", action="store_true",
-                   help="compile each timm model, a wrapped one through mesa_lite.compile "
+                   help="compile each model (timm or Hugging Face), a wrapped one through mesa_lite.compile "
                    "(a fresh graph per mode)")  # fmt: skip
     add_out_argument(p, "profile_step", "PREFIX.txt")
     return p
@@ -100,7 +100,8 @@ def _llm_stepper(args, mode: str):
     from .common import autocast
 
     config = lm.make_config(args.model)
-    model = lm.make_model(args.model, "int8" if mode == "mesa" else "plain", config=config).cuda()
+    lm_mode = ("int8" if mode == "mesa" else "plain") + ("-compiled" if args.compile else "")
+    model = lm.make_model(args.model, lm_mode, config=config).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids, labels = lm.make_inputs(config, args.batch_size, args.seq, torch.device("cuda"))
 
@@ -130,6 +131,7 @@ def run(argv=None) -> str:
     kernel_time = {}
     for mode in progress(args.modes, desc="modes", unit="mode"):
         if args.model in LLM_MODELS:
+            torch._dynamo.reset()
             step = _llm_stepper(args, mode)
         else:
             model = make_model(args.model, args.attention, mode, 224).cuda()
