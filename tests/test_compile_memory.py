@@ -110,7 +110,7 @@ def test_compiled_keeps_no_weight_copies(name):
 
 def test_compiled_loss_backward_is_one_expression(monkeypatch):
     """The compiled loss's backward has no slice writes into a logits-sized buffer (the
-    chunks of eager mode) and gives eager's gradient."""
+    chunks of eager mode) and no reduction, and gives eager's gradient."""
     monkeypatch.setattr(ce, "CHUNK_ELEMENTS", 64 * 100)  # eager: 64 rows a chunk
     g = torch.Generator().manual_seed(0)
     logits0 = torch.randn(300, 100, generator=g).bfloat16()
@@ -132,6 +132,10 @@ def test_compiled_loss_backward_is_one_expression(monkeypatch):
             (_, bw), = graphs
             targets = {str(n.target) for n in bw.graph.nodes if n.op == "call_function"}
             assert not any("scatter" in t or "index_put" in t for t in targets), targets
+            # the forward's log-sum-exp is kept: no reduction over the vocabulary in backward
+            # (recomputed there, Inductor's CUDA code wrote its epilogue out in fp32)
+            reductions = [t for t in targets if any(r in t for r in ("amax", "logsumexp", "sum"))]
+            assert not reductions, reductions
     assert sqnr_db(grads[0], grads[1]) > 40
 
 
@@ -163,3 +167,39 @@ def test_inductor_writes_no_fp32_logits_in_the_loss_backward():
     buffers = [line.strip() for code in codes for line in code.splitlines()
                if "empty_strided" in line and any(z in line for z in sizes)]  # fmt: skip
     assert buffers and not [b for b in buffers if "float32" in b], buffers
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_compiled_loss_matches_torch_on_edge_rows(reduction):
+    """The compiled loss (its log-sum-exp kept from the forward) against F.cross_entropy on the
+    fp32 logits and against the eager chunked loss: ignored labels, a whole batch ignored, and
+    non-finite logits (+inf, NaN, a row of -inf), which stay NaN in the loss and the gradient
+    as torch's do (so GradScaler skips the step)."""
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(64, 50, generator=g).bfloat16()
+    y0 = torch.randint(0, 50, (64,), generator=g)
+    y0[::5] = -100
+    cases = {"plain": (x0, y0), "all ignored": (x0, torch.full_like(y0, -100))}
+    for name, value, where in (("+inf", float("inf"), (3, 4)), ("nan", float("nan"), (3, 4)),
+                               ("-inf row", float("-inf"), (5, slice(None)))):  # fmt: skip
+        x = x0.clone()
+        x[where] = value
+        cases[name] = (x, y0)
+
+    def loss_fn(logits, labels):
+        return ce.cross_entropy(logits, labels, reduction=reduction)
+
+    compiled = torch.compile(loss_fn, fullgraph=True)
+    for name, (x, y) in cases.items():
+        losses, grads = [], []
+        for fn in (loss_fn, compiled):
+            logits = x.clone().requires_grad_()
+            loss = fn(logits, y)
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append(logits.grad.float())
+        ref = torch.nn.functional.cross_entropy(x.float(), y, reduction=reduction)
+        for loss in losses:
+            torch.testing.assert_close(loss, ref, equal_nan=True, rtol=1e-6, atol=0, msg=name)
+        torch.testing.assert_close(grads[1], grads[0], equal_nan=True, rtol=0, atol=1e-2,
+                                   msg=name)  # fmt: skip
