@@ -7,7 +7,7 @@ each policy; then for each budget (a fraction of the plain peak, and last the sm
 any plan reaches) ``planner.choose`` picks the per-block policies and the model is trained
 with the plan's Config, so each plan row has the predicted and the measured peak and step
 time. The alternatives, each one row: exact checkpointing of every k-th block (``--every``:
-timm's ``set_grad_checkpointing`` or Hugging Face's ``gradient_checkpointing_enable`` at k=1,
+timm's ``set_grad_checkpointing`` or Hugging Face's ``activation_checkpointing_enable`` at k=1,
 ``torch.utils.checkpoint`` on the timm blocks and the Hugging Face layers' own flag for larger
 k) and the plain model under ``torch.compile`` with ``torch._functorch.config.
 activation_memory_budget`` (``--compile-budgets``, GPU only by default).
@@ -59,6 +59,7 @@ from .common import (
     argument_parser,
     autocast,
     environment,
+    hf_checkpointing_enable,
     lazy_import,
     markdown_table,
     measure_row,
@@ -189,7 +190,7 @@ def _checkpoint_every(model, k: int, hf: bool) -> None:
     from mesa_lite.checkpoint import repeated_blocks
 
     if hf:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_checkpointing_enable(model)
         for i, (_, block) in enumerate(repeated_blocks(model)):
             block.gradient_checkpointing = i % k == 0
         return

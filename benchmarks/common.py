@@ -9,7 +9,6 @@ import importlib
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -106,28 +105,23 @@ def argument_parser(doc: str, prog: str | None = None) -> argparse.ArgumentParse
     )
 
 
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 in hardware (x86 AVX512-BF16 or AMX-BF16, Arm BF16).
+def hf_checkpointing_enable(model, use_reentrant: bool = False) -> None:
+    """Hugging Face's own activation checkpointing on ``model``, by the installed
+    transformers' name: ``activation_checkpointing_enable`` from 5.23 (which deprecates
+    ``gradient_checkpointing_enable``), the old name before."""
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
-    Without it torch emulates bf16 matmuls, tens to a hundred times slower than fp32 (a
-    1024^3 bf16 matmul: 15.9 s against 0.15 s in fp32 on a 2-core AVX2 machine).
-    """
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        flags = []
-    if flags:
-        return bool({"avx512_bf16", "amx_bf16", "bf16"} & set(flags))
-    if sys.platform == "darwin":  # Apple silicon from M2 on
-        try:
-            out = subprocess.run(
-                ["sysctl", "-n", "hw.optional.arm.FEAT_BF16"],
-                capture_output=True, text=True, timeout=5, check=False,
-            )  # fmt: skip
-            return out.stdout.strip() == "1"
-        except OSError:
-            return False
-    return False
+
+def cpu_has_native_bf16() -> bool:
+    """``mesa_lite.ops.common.cpu_has_native_bf16`` (imported here when called: ``--help``
+    imports no torch)."""
+    from mesa_lite.ops.common import cpu_has_native_bf16 as native
+
+    return native()
 
 
 def add_dtype_argument(p: argparse.ArgumentParser, *, gpu: str = "fp16", nargs=None,

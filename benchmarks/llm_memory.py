@@ -54,6 +54,7 @@ from .common import (
     add_out_argument,
     argument_parser,
     autocast,
+    hf_checkpointing_enable,
     lazy_import,
     markdown_table,
     measure_row,
@@ -79,7 +80,7 @@ MODES = {
     "plain": "plain training (baseline)",
     "int8": "mesa_lite.wrap(model)",
     "int4": "mesa_lite.wrap(model, Config(bits=4))",
-    "hf-ckpt": "model.gradient_checkpointing_enable()",
+    "hf-ckpt": "Hugging Face's checkpointing (activation_checkpointing_enable())",
     "ckpt8": "mesa_lite.wrap(model, Config(checkpoint='blocks')): compressed checkpointing",
     "ckpt4": "mesa_lite.wrap(model, Config(checkpoint='blocks', checkpoint_bits=4))",
 }
@@ -97,7 +98,7 @@ COMPILED = {
 MODES.update({
     "plain-compiled": "torch.compile(model)",
     "int8-compiled": "mesa_lite.compile(mesa_lite.wrap(model))",
-    "hf-ckpt-compiled": "torch.compile of the model with gradient_checkpointing_enable()",
+    "hf-ckpt-compiled": "torch.compile of the model with activation_checkpointing_enable()",
     "budget0.5-compiled": "torch.compile with activation_memory_budget 0.5",
     "fp8-compiled": "torch.compile with Inductor's fp8 (e5m2) saved-activation pass",
 })  # fmt: skip
@@ -209,7 +210,7 @@ def make_model(name: str, mode: str, attention: str = "sdpa", config=None):
     elif mode == "int4":
         mesa_lite.wrap(model, mesa_lite.Config(bits=4))
     elif mode == "hf-ckpt":
-        model.gradient_checkpointing_enable()
+        hf_checkpointing_enable(model)
     elif mode in ("ckpt8", "ckpt4"):
         bits = 8 if mode == "ckpt8" else 4
         mesa_lite.wrap(model, mesa_lite.Config(checkpoint="blocks", checkpoint_bits=bits))

@@ -91,6 +91,9 @@ class MemoryBreakdown:
         """The fields (bytes) and ``static``."""
         return {**dataclasses.asdict(self), "static": self.static}
 
+    def __str__(self) -> str:
+        return self.table()
+
     def table(self) -> str:
         """A markdown table in MiB; '-' for what this device does not measure."""
         rows = [

@@ -69,7 +69,8 @@ whatever the flag says), and are put back after, also on an error. Other state a
 module changes in its forward (a custom moving average, a counter) is changed twice.
 
 A model's own activation checkpointing turned on after ``wrap`` (Hugging Face's
-``gradient_checkpointing_enable()``, timm's ``set_grad_checkpointing()``) would recompute
+``activation_checkpointing_enable()``, ``gradient_checkpointing_enable()`` before
+transformers 5.23, timm's ``set_grad_checkpointing()``) would recompute
 each checkpointed module inside its own recompute (three forwards). ``wrap`` refuses a model
 whose flag is already on; for one turned on later, ``apply`` records the modules on each
 unit's path from the root, the unit and those inside it that carry a ``gradient_checkpointing``
@@ -581,11 +582,21 @@ def _call(module: nn.Module, run, spec: QuantSpec, args: tuple, kwargs: dict):
     return tree_unflatten(flat, state.out_spec)
 
 
-# a model's own activation checkpointing: (flag, how to turn it off)
-OTHER_CHECKPOINTING = (
-    ("gradient_checkpointing", "model.gradient_checkpointing_disable()"),  # Hugging Face
-    ("grad_checkpointing", "model.set_grad_checkpointing(False)"),  # timm
-)
+# a model's own activation checkpointing: the flags of Hugging Face's and timm's
+OTHER_CHECKPOINTING = ("gradient_checkpointing", "grad_checkpointing")
+
+
+def turn_off_hint(flag: str) -> str:
+    """How a user turns a model's own checkpointing ``flag`` off, in the installed
+    library's words: transformers 5.23 renamed ``gradient_checkpointing_disable`` to
+    ``activation_checkpointing_disable`` (the old name still works, with a FutureWarning)."""
+    if flag == "grad_checkpointing":
+        return "model.set_grad_checkpointing(False)"  # timm
+    tf = sys.modules.get("transformers")
+    if hasattr(getattr(tf, "PreTrainedModel", None), "activation_checkpointing_disable"):
+        return ("model.activation_checkpointing_disable(), gradient_checkpointing_disable() "
+                "before transformers 5.23")  # fmt: skip
+    return "model.gradient_checkpointing_disable()"
 
 
 class _Others:
@@ -620,18 +631,18 @@ def _others(model: nn.Module | None, name: str, unit: nn.Module) -> _Others:
     return _Others(
         (n, m, flag)
         for n, m in path
-        for flag, _ in OTHER_CHECKPOINTING
+        for flag in OTHER_CHECKPOINTING
         if hasattr(m, flag)
     )  # fmt: skip
 
 
 def _check_other_checkpointing(module: nn.Module) -> None:
-    """A second checkpointing turned on after ``wrap`` (``gradient_checkpointing_enable()``,
+    """A second checkpointing turned on after ``wrap`` (``activation_checkpointing_enable()``,
     ``set_grad_checkpointing()``) would recompute the unit inside its own recompute: each
     block's forward three times. Cheap attribute reads of the flags recorded at ``apply``."""
     for name, m, flag in module.__dict__.get("_mesa_ckpt_others", ()):
         if getattr(m, flag, False) is True:
-            how = dict(OTHER_CHECKPOINTING)[flag]
+            how = turn_off_hint(flag)
             raise ValueError(
                 f"mesa_lite: {name or type(m).__name__}.{flag} is on, but "
                 f"{type(module).__name__} is checkpointed by mesa_lite (Config.checkpoint): "

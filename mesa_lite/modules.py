@@ -20,7 +20,7 @@ from mesa_lite.ops.activation import _silu_, activation, silu_grad
 from mesa_lite.ops.attention import scaled_dot_product_attention, sdpa_backends_enabled
 from mesa_lite.ops.avg_pool import adaptive_avg_pool2d, avg_pool2d
 from mesa_lite.ops.batch_norm import batch_norm, instance_norm
-from mesa_lite.ops.common import in_functorch_transform, needs_grad
+from mesa_lite.ops.common import check_cpu_bf16, in_functorch_transform, needs_grad
 from mesa_lite.ops.conv import conv, same_padding
 from mesa_lite.ops.dropout import dropout
 from mesa_lite.ops.gelu import gelu
@@ -59,7 +59,10 @@ class MesaModule:
     mesa_spec: QuantSpec | None = None
 
     def _mesa_active(self, *tensors: torch.Tensor | None) -> bool:
-        return self.mesa_spec is not None and self.training and needs_grad(*tensors)
+        active = self.mesa_spec is not None and self.training and needs_grad(*tensors)
+        if active and tensors[0] is not None:
+            check_cpu_bf16(tensors[0])
+        return active
 
     def extra_repr(self) -> str:
         base = super().extra_repr()

@@ -217,18 +217,26 @@ class Plan:
         return out
 
     def __str__(self) -> str:
-        lines = [f"plan: peak {_size(self.peak)} (in the {self.where}), step "
+        size = _size_in(self.peak)  # one unit for every line: the peak's
+        lines = [f"plan: peak {size(self.peak)} (in the {self.where}), step "
                  f"{self.seconds * 1e3:.1f} ms"]  # fmt: skip
-        lines += [f"  {k}: {_size(v)}" for k, v in self.terms.items()]
+        lines += [f"  {k}: {size(v)}" for k, v in self.terms.items()]
         counts = {p: self.policies.count(p) for p in POLICIES if p in self.policies}
         lines.append("  blocks: " + ", ".join(f"{p} x{n}" for p, n in counts.items()))
         return "\n".join(lines)
 
 
 def _size(n: int) -> str:
-    if abs(n) >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
-    return f"{n / 2**20:.1f} MiB" if abs(n) >= 2**20 else f"{n:,} bytes"
+    return _size_in(n)(n)
+
+
+def _size_in(largest: int) -> Callable[[int], str]:
+    """Formats bytes in the unit that suits ``largest`` (GiB, MiB or bytes)."""
+    if abs(largest) >= 2**30:
+        return lambda n: f"{n / 2**30:.2f} GiB"
+    if abs(largest) >= 2**20:
+        return lambda n: f"{n / 2**20:.1f} MiB"
+    return lambda n: f"{n:,} bytes"
 
 
 def _fixed(m: Measurements) -> int:
@@ -518,7 +526,8 @@ def _even_groups_only(policies: tuple[str, ...], base: Config | None, caller: st
 
 
 def choose(m: Measurements, budget: int | float, base: Config | None = None) -> Plan:
-    """The fastest per-block policies whose predicted peak is at most ``budget``.
+    """The fastest per-block policies whose predicted peak is at most ``budget``; plain on
+    every block wherever that fits (with ``plain`` measured), whatever the timings say.
 
     Args:
         m: the measurements (``measure``).
@@ -558,6 +567,12 @@ def choose(m: Measurements, budget: int | float, base: Config | None = None) -> 
             f"gradients and optimizer state {_size(m.static)}, and the step's temporaries)"
         )
     found = _best(m, budget)
+    if found is not None and "plain" in m.costs:
+        # where plain on every block fits, it is the plan: no policy does less work than
+        # plain, so one that timed faster timed in noise (a loaded machine)
+        plain = ("plain",) * len(m.blocks)
+        if sum(_peak_terms(m, plain).values()) <= budget:
+            found = (sum(c.seconds for c in m.costs["plain"]), plain)
     if found is None:
         floor = smallest_budget(m)
         raise PlanError(
@@ -582,20 +597,35 @@ def choose(m: Measurements, budget: int | float, base: Config | None = None) -> 
     )
 
 
-def _step_seconds(model, step_fn, optimizer, steps: int, device) -> float:
-    """Median seconds of ``steps`` synchronized training steps."""
+# timing: the relative spread of a policy's step times (interquartile range over median)
+# above which ``measure`` times up to ``_MORE`` times as many steps, and warns if it stays
+NOISE = 0.10
+_MORE = 4
+
+
+def _step_seconds(model, step_fn, optimizer, steps: int, device) -> tuple[float, float]:
+    """(median seconds, relative spread) of ``steps`` synchronized training steps, or of up to
+    ``_MORE`` times as many while the spread is above ``NOISE``."""
     from mesa_lite.breakdown import train_step
 
-    times = []
-    for _ in range(steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        train_step(model, step_fn, optimizer)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times: list[float] = []
+
+    def spread() -> float:
+        if len(times) < 3:
+            return 0.0
+        q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+        return (q3 - q1) / statistics.median(times)
+
+    while not times or (spread() > NOISE and len(times) < steps * _MORE):
+        for _ in range(steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            train_step(model, step_fn, optimizer)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), spread()
 
 
 @dataclasses.dataclass
@@ -754,8 +784,11 @@ def measure(
     the next layer reuses their codes), one step whose forward's saved tensors are counted per block
     (and, on CUDA, the allocator's peaks of training and of the optimizer step, less the bytes
     of ``model`` itself, which the planned run will not hold twice), then ``timed``
-    synchronized steps, whose median
-    divided among the blocks is each block's time (the rest of the step is then shared
+    synchronized steps (up to ``_MORE`` times as many while their interquartile range is
+    above ``NOISE`` of their median; a warning names the policies whose times stay that
+    noisy), whose median
+    divided among the blocks is each block's time (a checkpointing policy's at least plain's:
+    it runs the forward twice) (the rest of the step is then shared
     evenly, so a plan's predicted time is exact for one policy on every block and a mix of
     those in between).
 
@@ -780,7 +813,7 @@ def measure(
     """
     from mesa_lite.breakdown import train_step
     from mesa_lite.checkpoint import repeated_blocks
-    from mesa_lite.wrap import wrap
+    from mesa_lite.wrap import quietly, wrap
 
     if blocks is None:
         blocks = tuple(n for n, _ in repeated_blocks(model))
@@ -817,10 +850,11 @@ def measure(
         exclude = sum(_storages((*model.parameters(), *model.buffers()), {}).values())
     steps: dict[str, _Step] = {}
     firsts: dict[str, _Step] = {}
-    seconds = {}
+    seconds, spreads = {}, {}
     for p in policies:
         m = copy.deepcopy(model).train()  # a training step's costs, whatever mode it was in
-        wrap(m, to_config(blocks, [p] * len(blocks), base, leaves))
+        with quietly():  # the user's wrap says what it did, not these copies
+            wrap(m, to_config(blocks, [p] * len(blocks), base, leaves))
         opt = optimizer_fn(m.parameters()) if optimizer_fn is not None else None
         # the first step, counted too: a ReLU learns only in its first backward that the
         # next convolution reuses its codes, so a freshly wrapped model keeps more then
@@ -829,9 +863,26 @@ def measure(
             train_step(m, step_fn, opt)
         steps[p] = _kept_by_block(m, step_fn, opt, blocks, device, exclude) if warmup else \
             firsts[p]  # fmt: skip
-        seconds[p] = _step_seconds(m, step_fn, opt, timed, device) / len(blocks)
+        step, spreads[p] = _step_seconds(m, step_fn, opt, timed, device)
+        seconds[p] = step / len(blocks)
         del m, opt
         gc.collect()
+    noisy = {p: v for p, v in spreads.items() if v > NOISE}
+    if noisy:
+        warnings.warn(
+            "mesa_lite.planner.measure: step times varied beyond "
+            f"{NOISE:.0%} (interquartile range over median) for "
+            + ", ".join(f"{p} {v:.0%}" for p, v in noisy.items())
+            + f" after up to {timed * _MORE} steps: the plans' time ranking may be off (a "
+            "loaded machine?); measure on an idle one or with more timed steps",
+            stacklevel=2,
+        )
+    if "plain" in seconds:
+        # a checkpointed block runs its forward twice: never faster than plain (a timing
+        # that says otherwise is noise)
+        for p in seconds:
+            if p in _WIDTHS:
+                seconds[p] = max(seconds[p], seconds["plain"])
     static = max(s.static for s in steps.values())
     temporaries = 0
     transient = {p: 0 for p in policies}

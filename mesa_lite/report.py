@@ -167,17 +167,25 @@ class MemoryReport:
 
 @contextlib.contextmanager
 def plain_model(model: nn.Module) -> Iterator[nn.Module]:
-    """Runs every mesa_lite module of ``model`` as plain torch inside the block."""
+    """Runs ``model`` as the unwrapped model would run inside the block: every mesa_lite
+    module as plain torch, checkpointing by ``Config(checkpoint=...)`` or a plan off (fused
+    blocks then run their own forward, as their layers' settings are gone)."""
     from mesa_lite.modules import MesaModule  # report depends on nothing else of mesa_lite
 
     saved = {m: m.mesa_spec for m in model.modules() if isinstance(m, MesaModule)}
+    ckpt = {m: m.__dict__["_mesa_ckpt_spec"] for m in model.modules()
+            if m.__dict__.get("_mesa_ckpt_spec") is not None}  # fmt: skip
     try:
         for m in saved:
             m.mesa_spec = None
+        for m in ckpt:
+            m.__dict__["_mesa_ckpt_spec"] = None
         yield model
     finally:
         for m, spec in saved.items():
             m.mesa_spec = spec
+        for m, spec in ckpt.items():
+            m.__dict__["_mesa_ckpt_spec"] = spec
 
 
 def _weight_copy_test(model: nn.Module):
@@ -317,10 +325,14 @@ def memory_report(
     model: nn.Module,
     *example_inputs,
     autocast: torch.dtype | None = None,
-    print_table: bool = True,
+    print_table: bool = False,
     **kwargs,
 ) -> MemoryReport:
     """Runs one training-mode forward plain and one compressed; reports bytes kept per module.
+
+    Plain is the model as the unwrapped one runs: no compression, no checkpointing by mesa_lite
+    (``Config(checkpoint=...)`` or a plan), so the reduction is against the model the user
+    started from.
 
     Activations and autocast's weight copies (low-precision casts of Parameters kept for
     backward) are reported apart; ``MemoryReport.reduction`` is plain / compressed on
@@ -330,10 +342,11 @@ def memory_report(
         model: a (wrapped) model; it is put in train mode for the two forwards and restored.
         example_inputs: positional inputs of the forward (kwargs are passed on too).
         autocast: run the forwards under ``torch.autocast`` with this dtype.
-        print_table: print the per-module table and the summary by module type.
+        print_table: also print the per-module table and the summary by module type
+            (``print(report)`` prints the per-module table).
 
     Returns:
-        A MemoryReport (``str(report)`` is the table).
+        A MemoryReport (``str(report)`` is the per-module table).
 
     Warns:
         UserWarning: the model has no mesa_lite module (call ``mesa_lite.wrap`` first): both
@@ -341,7 +354,11 @@ def memory_report(
     """
     from mesa_lite.modules import MesaModule
 
-    if not any(isinstance(m, MesaModule) and m.mesa_spec is not None for m in model.modules()):
+    def converted(m: nn.Module) -> bool:
+        return (isinstance(m, MesaModule) and m.mesa_spec is not None) or \
+            m.__dict__.get("_mesa_ckpt_spec") is not None  # fmt: skip
+
+    if not any(converted(m) for m in model.modules()):
         warnings.warn(
             f"mesa_lite.memory_report: {type(model).__name__} has no mesa_lite modules, so "
             "its compressed and plain columns are the same; wrap it first "

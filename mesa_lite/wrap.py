@@ -9,18 +9,20 @@ module an ``accepts`` predicate rejects, such as timm's LayerNorm on its fast-no
 The line is at INFO level when nothing was skipped that the user did not ask to skip, at
 WARNING level otherwise, and when modules of the opt-in kinds (convolutions, batch norms, ...)
 that the config leaves out hold most of the model's parameters (a CNN wrapped with the
-default layers: the line names the option that compresses them). Python shows WARNING records
-on stderr without any set-up; to see the INFO line too, configure logging, e.g. ``logging.basicConfig(level=logging.INFO)``, or, for
-mesa_lite's records only, ``logging.basicConfig()`` and
-``logging.getLogger("mesa_lite").setLevel(logging.INFO)`` (a level alone is not enough: with
-no handler configured Python prints only WARNING and above).
+default layers: the line names the option that compresses them). Either way it is printed on
+stderr while the program has not configured logging (mesa_lite's logger has INFO level and a
+handler that writes only then); once it has (``logging.basicConfig(...)``), the line goes to
+the program's handlers like any library's. ``logging.getLogger("mesa_lite").setLevel(
+logging.WARNING)`` keeps only the warnings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import logging
+import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -70,6 +72,25 @@ from mesa_lite.modules import (
 __all__ = ["wrap", "unwrap", "register", "wrapped_modules"]
 
 logger = logging.getLogger("mesa_lite")
+
+
+class _UntilConfigured(logging.StreamHandler):
+    """Writes mesa_lite's records to the current ``sys.stderr`` while the program has not
+    configured logging (the root logger has no handler), so that ``wrap``'s summary line is
+    seen without set-up; once logging is configured the records reach its handlers as any
+    library's do, and this writes nothing (no line twice)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return
+        self.stream = sys.stderr  # the current one (a test's capture, a redirected stream)
+        super().emit(record)
+
+
+if not any(isinstance(h, _UntilConfigured) for h in logger.handlers):
+    logger.addHandler(_UntilConfigured())
+if logger.level == logging.NOTSET:  # a level the program set is kept
+    logger.setLevel(logging.INFO)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,7 +365,7 @@ def wrap(
     supported-looking module was skipped for a reason other than ``config``/``filter_fn``),
     e.g. ``mesa_lite.wrap: converted 5 modules of Net (linear 3, layernorm 1, gelu 1) at
     int8 g128 nearest; skipped 2: LayerNorm2d x2 (subclass of LayerNorm with its own
-    forward)``. See this module's docstring for how to see INFO records.
+    forward)``, printed on stderr unless logging is configured (this module's docstring).
 
     Args:
         model: any module; the root itself is converted if it is a supported layer.
@@ -485,8 +506,23 @@ def _wrap(model, config, filter_fn):
             "parameters: Config(layers=mesa_lite.DEFAULT_LAYERS | mesa_lite.OPT_IN_KINDS) "
             "compresses them too"
         )
-    logger.log(logging.WARNING if skipped or bulk_plain else logging.INFO, line)
+    if not _QUIET:
+        logger.log(logging.WARNING if skipped or bulk_plain else logging.INFO, line)
     return model
+
+
+_QUIET: list[bool] = []  # non-empty inside quietly()
+
+
+@contextlib.contextmanager
+def quietly():
+    """``wrap`` logs no summary line inside the block: for a library's own copies of a model
+    (the planner wraps one per policy it measures), not the user's wrap."""
+    _QUIET.append(True)
+    try:
+        yield
+    finally:
+        _QUIET.pop()
 
 
 def _numel(params) -> int:
@@ -499,12 +535,12 @@ def _check_no_other_checkpointing(model: nn.Module) -> None:
     """Config.checkpoint replaces a model's own activation checkpointing; both at once would
     recompute every block twice."""
     for name, m in model.named_modules():
-        for flag, how in _ckpt.OTHER_CHECKPOINTING:
+        for flag in _ckpt.OTHER_CHECKPOINTING:
             if getattr(m, flag, False) is True:
                 raise ValueError(
                     f"wrap: Config.checkpoint replaces the model's own activation "
                     f"checkpointing, which is on ({name or type(m).__name__}.{flag}); turn it "
-                    f"off first ({how})"
+                    f"off first ({_ckpt.turn_off_hint(flag)})"
                 )
 
 

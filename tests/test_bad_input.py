@@ -122,3 +122,26 @@ def test_fp16_overflow_under_autocast_stays_non_finite(name, device):
     assert finite_ref == finite_mod
     if name == "linear":
         assert not finite_ref  # the weight gradient sees the inf
+
+
+def test_bf16_on_a_cpu_that_emulates_it_is_said_once(monkeypatch):
+    """Training in bf16 on a CPU without native bf16 warns once (torch emulates bf16, many
+    times slower than fp32); fp32 training and a CPU with native bf16 say nothing."""
+    import warnings
+
+    from mesa_lite.ops import common
+
+    model = mesa_lite.wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()))
+    x = torch.randn(2, 8)
+    for native in (True, False):
+        monkeypatch.setattr(common, "cpu_has_native_bf16", lambda native=native: native)
+        common._WARNED.discard("cpu-bf16")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(x).sum().backward()  # fp32: nothing to say
+            for _ in range(2):
+                with torch.autocast("cpu", torch.bfloat16):
+                    model(x).float().sum().backward()
+        said = [w for w in caught if "without native bf16" in str(w.message)]
+        assert len(said) == (0 if native else 1), [str(w.message) for w in caught]
+    common._WARNED.discard("cpu-bf16")

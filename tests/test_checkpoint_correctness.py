@@ -5,6 +5,7 @@ forward hooks inside a checkpointed block, a second checkpointing turned on afte
 and BatchNorm statistics. ``debug_exact`` paths are compared bit for bit."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -393,23 +394,33 @@ def test_running_statistics_updated_once_per_step():
 # ---- 7: a second checkpointing turned on after wrap -----------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["blocks", "attention"])
-def test_hugging_face_checkpointing_turned_on_after_wrap_is_refused(policy):
-    """``gradient_checkpointing_enable()`` after ``wrap(..., Config(checkpoint=...))`` would
+@pytest.mark.parametrize("policy,name", [("blocks", "activation"), ("attention", "activation"),
+                                         ("blocks", "gradient")])  # fmt: skip
+def test_hugging_face_checkpointing_turned_on_after_wrap_is_refused(policy, name):
+    """``activation_checkpointing_enable()`` (transformers 5.23's name) or the older
+    ``gradient_checkpointing_enable()`` after ``wrap(..., Config(checkpoint=...))`` would
     run each block three times: the first training forward raises, naming the flag and how to
-    turn it off; off again, training runs (and a deepcopy checks its own flags)."""
+    turn it off in the installed version's words; off again, training runs (and a deepcopy
+    checks its own flags)."""
     plain = _lm("llama")
     ids, mask = _ids(False)
     model = mesa_lite.wrap(copy.deepcopy(plain), Config(checkpoint=policy, debug_exact=True))
-    model.gradient_checkpointing_enable()
-    with pytest.raises(ValueError, match=r"gradient_checkpointing is on.*"
-                                         r"gradient_checkpointing_disable\(\)"):  # fmt: skip
+    new = hasattr(model, "activation_checkpointing_enable")
+    if name == "activation" and not new:
+        pytest.skip("transformers before 5.23 has only gradient_checkpointing_enable")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # the old name, from 5.23
+        getattr(model, f"{name}_checkpointing_enable")()
+    hint = r"activation_checkpointing_disable\(\)" if new else r"gradient_checkpointing_disable\(\)"
+    with pytest.raises(ValueError, match=r"gradient_checkpointing is on.*" + hint):
         model(input_ids=ids, labels=ids)
     with torch.no_grad():
         model.eval()(input_ids=ids)  # evaluation does not checkpoint: no error
     model.train()
     clone = copy.deepcopy(model)
-    model.gradient_checkpointing_disable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        getattr(model, f"{name}_checkpointing_disable")()
     with pytest.raises(ValueError, match="gradient_checkpointing is on"):
         clone(input_ids=ids, labels=ids)
     _, g0 = _lm_step(plain, ids, mask)

@@ -91,9 +91,12 @@ def _every_choice(m: Measurements) -> list[tuple[float, tuple, int]]:
 
 
 def _brute_force(m: Measurements, budget: int, choices=None):
-    """The fastest feasible choice by enumeration (``choices``: ``_every_choice(m)``)."""
+    """The fastest feasible choice by enumeration (``choices``: ``_every_choice(m)``), or
+    plain on every block where that fits (``choose`` trusts no timing faster than plain's)."""
     best = None
     for t, choice, peak in choices or _every_choice(m):
+        if peak <= budget and set(choice) == {"plain"}:
+            return (t, choice, peak)
         if peak <= budget and (best is None or t < best[0] - 1e-12):
             best = (t, choice, peak)
     return best
@@ -157,8 +160,9 @@ def test_the_peak_follows_the_backward_order():
     with pytest.raises(PlanError):
         choose(m, 109 * MIB)
     fast = PolicyCost(10 * MIB, 0.01, transient=100 * MIB)
+    plain = PolicyCost(70 * MIB, 0.1)  # plain on both blocks (140) does not fit 139
     m = dataclasses.replace(m, costs={"plain": (plain, plain), "ckpt8": (fast, fast)})
-    plan = choose(m, 141 * MIB)  # (ckpt8, ckpt8): 110 at a, 20 + 100 at b
+    plan = choose(m, 139 * MIB)  # (ckpt8, ckpt8): 110 at a, 20 + 100 at b
     assert plan.policies == ("ckpt8", "ckpt8") and plan.peak == 120 * MIB
     assert plan.terms["kept"] == 20 * MIB and plan.terms["transient"] == 100 * MIB
     assert plan.saved == 20 * MIB
@@ -664,3 +668,75 @@ def test_the_prediction_bounds_the_first_step_of_a_fresh_model():
             lambda w=wrapped: w(x).square().mean(), list(wrapped.parameters())
         )
         assert first <= m.outside + sum(_block_bytes(m, choice)), choice
+
+
+def test_plain_wherever_it_fits_whatever_the_timings_say():
+    """Timings from a loaded machine (exact checkpointing and int8 timed faster than plain):
+    at a budget the plain model fits, the plan is plain; below it, the fastest that fits."""
+    noisy = {**COST, "plain": PolicyCost(300 * MIB, 0.0118), "int8": PolicyCost(110 * MIB, 0.0082),
+             "int4": PolicyCost(60 * MIB, 0.0360), "ckpt": PolicyCost(37 * MIB, 0.0066,
+                                                                        transient=300 * MIB)}  # fmt: skip
+    costs = {p: (c,) * 5 for p, c in noisy.items()}
+    m = Measurements(blocks=tuple(f"blocks.{i}" for i in range(5)), costs=costs,
+                     static=500 * MIB, outside=40 * MIB, temporaries=80 * MIB)  # fmt: skip
+    assert choose(m, 1.0).policies == ("plain",) * 5
+    assert choose(m, plain_peak(m)).policies == ("plain",) * 5
+    below = choose(m, plain_peak(m) - MIB)
+    assert below.policies != ("plain",) * 5 and below.peak <= plain_peak(m) - MIB
+
+
+def test_plans_print_in_one_unit():
+    plan = choose(_measurements(), 2300 * MIB)
+    lines = str(plan).splitlines()
+    units = {u for line in lines for u in ("GiB", "MiB", "bytes") if f" {u}" in line}
+    assert units == {"GiB"}, lines
+
+
+def test_noisy_step_times_are_timed_longer_then_reported(monkeypatch):
+    """A step time that varies beyond planner.NOISE is timed over more steps (up to _MORE
+    times as many), and measure warns naming the policy; steady times take ``timed`` steps."""
+    from mesa_lite import planner
+
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+                                  for _ in range(2)])  # fmt: skip
+    x = torch.randn(4, 8)
+    calls: list[int] = []
+    real = planner._step_seconds
+
+    def clock(durations):
+        t = [0.0]
+        it = itertools.cycle(durations)
+
+        def now():  # start and end of each step: the step lasts the next duration
+            calls.append(1)
+            if len(calls) % 2:
+                return t[0]
+            t[0] += next(it)
+            return t[0]
+
+        return now
+
+    for durations, steps, warns in (([0.010], 3, False), ([0.010, 0.030, 0.005], 12, True)):
+        calls.clear()
+        monkeypatch.setattr(planner.time, "perf_counter", clock(durations))
+        median, spread = real(model, lambda m: m(x).pow(2).mean(), None, 3, torch.device("cpu"))
+        assert len(calls) == 2 * steps and (spread > planner.NOISE) == warns
+        assert median == pytest.approx(0.010)
+    monkeypatch.setattr(planner, "_step_seconds", lambda *a: (0.02, 0.5))
+    with pytest.warns(UserWarning, match=r"varied beyond 10%.*plain 50%.*int8 50%"):
+        planner.measure(model, lambda m: m(x).pow(2).mean(), policies=("plain", "int8"),
+                        blocks=["0", "1"])  # fmt: skip
+
+
+def test_a_checkpointed_block_never_times_faster_than_plain(monkeypatch):
+    from mesa_lite import planner
+
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+                                  for _ in range(2)])  # fmt: skip
+    x = torch.randn(4, 8)
+    times = iter([0.020, 0.010, 0.030])  # plain, ckpt (noise: faster), int8, in that order
+    monkeypatch.setattr(planner, "_step_seconds", lambda *a: (next(times), 0.0))
+    m = planner.measure(model, lambda m: m(x).pow(2).mean(), policies=("plain", "ckpt", "int8"),
+                        blocks=["0", "1"])  # fmt: skip
+    assert [c.seconds for c in m.costs["ckpt"]] == [0.010, 0.010]  # plain's per block
+    assert [c.seconds for c in m.costs["int8"]] == [0.015, 0.015]

@@ -28,7 +28,7 @@ def test_totals_match_independent_count(capsys):
     torch.manual_seed(0)
     model = mesa_lite.wrap(nn.Sequential(Block(), Block()))
     x = torch.randn(4, 50, 64)
-    report = mesa_lite.memory_report(model, x)
+    report = mesa_lite.memory_report(model, x, print_table=True)
     printed = capsys.readouterr().out
     assert "total" in printed and "0.fc1" in printed and "GELU" in printed
     comp, _ = saved_activation_bytes(lambda: model(x), model.parameters())
@@ -101,7 +101,7 @@ def test_autocast_weight_copies_are_counted_apart(capsys):
     plain = Head()
     model = mesa_lite.wrap(copy.deepcopy(plain))
     x = torch.randn(3, 10, 64, requires_grad=True)  # fc1's input needs grad: its weight is kept
-    report = mesa_lite.memory_report(model, x, autocast=torch.bfloat16)
+    report = mesa_lite.memory_report(model, x, autocast=torch.bfloat16, print_table=True)
     printed = capsys.readouterr().out
     weights = [plain.fc1.weight, plain.fc2.weight, plain.frozen.weight]
     assert report.plain_weight_copy_total == sum(w.numel() * 2 for w in weights)
@@ -179,3 +179,36 @@ def test_table_marks_rows_that_keep_nothing_of_their_own():
     assert "shared: keeps nothing of its own" in text and "reduction >100:" in text
     plain_only = MemoryReport(rows[:1], 1000, 250).table()
     assert "shared:" not in plain_only and ">100:" not in plain_only
+
+
+def test_report_prints_only_when_asked_and_compares_with_the_unwrapped_model(capsys):
+    """Plain is the model the user started from: with mesa_lite's checkpointing on, the plain
+    column keeps what the unwrapped model keeps (not the checkpointed one's inputs), and the
+    report prints nothing unless asked (``print(report)`` gives the table)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(Block(), Block(), Block())
+    x = torch.randn(4, 50, 64)
+    unwrapped, _ = saved_activation_bytes(lambda: plain(x), plain.parameters())
+    model = mesa_lite.wrap(copy.deepcopy(plain), mesa_lite.Config(checkpoint="blocks"))
+    capsys.readouterr()
+    report = mesa_lite.memory_report(model, x)
+    assert capsys.readouterr().out == ""
+    assert report.plain_total == unwrapped
+    kept, _ = saved_activation_bytes(lambda: model(x), model.parameters())
+    assert report.compressed_total == kept < unwrapped / 4
+    print(report)
+    assert "total" in capsys.readouterr().out
+    # the checkpointing is back on after the report
+    assert saved_activation_bytes(lambda: model(x), model.parameters())[0] == kept
+
+
+def test_memory_breakdown_prints_as_a_table_in_mib():
+    from mesa_lite.breakdown import memory_breakdown
+
+    torch.manual_seed(0)
+    model = mesa_lite.wrap(nn.Sequential(Block()))
+    x = torch.randn(2, 10, 64)
+    bd = memory_breakdown(model, lambda m: m(x).float().pow(2).mean(), None)
+    text = str(bd)
+    assert "MiB" in text and "parameters" in text and "bytes" not in text
+    assert f"{bd.parameters / 2**20:.2f}" in text

@@ -444,8 +444,10 @@ def test_rewrap_applies_the_new_config_to_the_same_modules(caplog):
     net = mesa_lite.wrap(copy.deepcopy(plain), Config(overrides={"sub.0": {"enabled": False}}))
     objects = dict(net.named_modules())
     new = Config(bits=4, overrides={"fc2": {"enabled": False}})
+    caplog.clear()  # the first wrap's line
     with caplog.at_level(logging.INFO, logger="mesa_lite"):
         assert mesa_lite.wrap(net, new) is net
+    records = list(caplog.records)
     assert all(m is objects[n] for n, m in net.named_modules())
     fresh = mesa_lite.wrap(copy.deepcopy(plain), new)
     assert _classes_and_specs(net) == _classes_and_specs(fresh)
@@ -456,7 +458,7 @@ def test_rewrap_applies_the_new_config_to_the_same_modules(caplog):
         net
     )
     assert "int8" not in repr(net)
-    [record] = caplog.records
+    [record] = records
     assert record.getMessage() == (
         "mesa_lite.wrap: converted 5 modules of Net (linear 2, gelu 1, softmax 1, layernorm 1) "
         "at int4 g128 stochastic; re-wrap: 5 converted before, 4 given a new setting, "
@@ -541,3 +543,57 @@ def test_a_cnn_wrapped_with_the_default_layers_warns_naming_the_opt_in_kinds(cap
                                      nn.BatchNorm1d(16)))  # fmt: skip
     (record,) = [r for r in caplog.records if r.name == "mesa_lite"]
     assert record.levelno == logging.INFO and "left plain" not in record.message
+
+
+_FIRST_WRAP = r"""
+import logging, sys
+import torch.nn as nn
+import mesa_lite
+
+if sys.argv[1] == "configured":
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+vit = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+cnn = nn.Sequential(nn.Conv2d(3, 64, 3), nn.BatchNorm2d(64), nn.ReLU(), nn.Flatten(),
+                    nn.Linear(64, 2))
+mesa_lite.wrap(vit)
+mesa_lite.wrap(cnn)
+logging.getLogger("mesa_lite").info("end")
+"""
+
+
+@pytest.mark.parametrize("logging_set_up", ["unconfigured", "configured"])
+def test_first_wrap_prints_one_line_each(logging_set_up, tmp_path):
+    """A new user's wrap says what it did without any logging set-up (one line a model on
+    stderr, the CNN's a warning naming the option for its convolutions); with logging
+    configured the line goes through the program's handlers, once."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "first_wrap.py"
+    script.write_text(_FIRST_WRAP)
+    run = subprocess.run([sys.executable, str(script), logging_set_up], capture_output=True,
+                         text=True, timeout=300, check=True)  # fmt: skip
+    lines = [line for line in run.stderr.splitlines() if "mesa_lite" in line or "end" in line]
+    assert len(lines) == 3, run.stderr
+    assert "converted 4 modules of Sequential" in lines[0]
+    assert "converted 1 module of Sequential" in lines[1]
+    assert "OPT_IN_KINDS" in lines[1] and "left plain 3 modules" in lines[1]
+    if logging_set_up == "configured":
+        assert lines[0].startswith("mesa_lite INFO ") and lines[1].startswith("mesa_lite WARNING ")
+    else:
+        assert lines[0].startswith("mesa_lite.wrap: ") and lines[2] == "end"
+
+
+def test_library_copies_wrap_quietly(caplog):
+    """The planner's copies (one per policy it measures) log no wrap line."""
+    from mesa_lite import planner
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(3)])
+    x = torch.randn(4, 16)
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        planner.measure(model, lambda m: m(x).pow(2).mean(), blocks=["0", "1", "2"])
+    assert not [r for r in caplog.records if "mesa_lite.wrap" in r.getMessage()]
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        mesa_lite.wrap(model)
+    assert [r for r in caplog.records if "mesa_lite.wrap" in r.getMessage()]

@@ -17,8 +17,8 @@ from mesa_lite.ops.common import (
     keep,
     plain_under_functorch,
     recast,
-    weight_cast,
     register_probe,
+    weight_cast,
 )
 
 register_probe("linear", 2, lambda a, b: F.linear(a, b))

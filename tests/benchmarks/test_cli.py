@@ -199,17 +199,20 @@ def test_cpu_default_dtype_follows_native_bf16(monkeypatch, capsys):
     assert deit_memory.parse_args(["--device", "cpu", "--dtype", "bf16"]).dtype == ["bf16"]
 
 
-def test_native_bf16_detection_reads_the_cpu_flags(monkeypatch, tmp_path):
+def test_native_bf16_detection_reads_the_cpu_flags(monkeypatch, tmp_path, request):
+    from mesa_lite.ops import common as ops_common
+
     fake = tmp_path / "cpuinfo"
-    real_path = common.Path
+    monkeypatch.setattr(ops_common, "CPUINFO", str(fake))
+    request.addfinalizer(ops_common.cpu_has_native_bf16.cache_clear)  # the real CPU's after
 
-    def fake_path(p, *a):
-        return real_path(fake) if p == "/proc/cpuinfo" else real_path(p, *a)
+    def detect():
+        ops_common.cpu_has_native_bf16.cache_clear()
+        return ops_common.cpu_has_native_bf16()
 
-    monkeypatch.setattr(common, "Path", fake_path)
     fake.write_text("flags\t\t: fpu sse2 avx2 avx512f\n")
-    assert common.cpu_has_native_bf16() is False
+    assert detect() is False
     fake.write_text("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
-    assert common.cpu_has_native_bf16() is True
+    assert detect() is True
     fake.write_text("Features\t: fp asimd bf16 i8mm\n")  # aarch64
-    assert common.cpu_has_native_bf16() is True
+    assert detect() is True
