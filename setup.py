@@ -39,6 +39,8 @@ setup(
             # the Hugging Face integration's tests: 5.17 is the GPU image's, 5.23 the newest
             # tested (newer releases are not)
             "transformers>=5.0,<5.24",
+            # the Hugging Face Trainer recipe's test: the Trainer cannot run without it
+            "accelerate>=1.1",
         ],
         "bench": [
             "timm>=1.0",

@@ -22,10 +22,18 @@ INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False}
 
 
 def compile(  # noqa: A001
-    model=None, *, mode: str | None = None, options: dict | None = None, **kwargs
+    model=None, *, mode: str | None = None, options: dict | None = None, in_place: bool = False,
+    **kwargs,
 ):
     """``torch.compile(model, ...)`` with ``INDUCTOR_OPTIONS``; same arguments and result
     (without ``model``, a decorator).
+
+    ``in_place=True`` compiles the module's own calls (``nn.Module.compile``) and returns
+    ``model`` itself: its class, forward signature and state_dict keys stay as they are, for
+    code that inspects the model it is given (the Hugging Face Trainer drops the batch's
+    columns that the forward's signature does not name, and its ``save_model`` writes a
+    compiled wrapper's weights under ``_orig_mod.`` keys, which ``from_pretrained`` then
+    ignores).
 
     ``mode`` is turned into its Inductor options (torch.compile takes a mode or options, not
     both); ``options`` given here override ``INDUCTOR_OPTIONS``. Another backend than
@@ -43,13 +51,23 @@ def compile(  # noqa: A001
         _refuse_fullgraph_checkpointing(model)
     backend = kwargs.get("backend") or "inductor"
     if backend != "inductor":
-        return torch.compile(model, mode=mode, options=options, **kwargs)
-    merged: dict = {}
-    if mode not in (None, "default"):
-        merged.update(torch._inductor.list_mode_options(mode, kwargs.get("dynamic")))
-    merged.update(INDUCTOR_OPTIONS)
-    merged.update(options or {})
-    return torch.compile(model, options=merged, **kwargs)
+        kwargs.update(mode=mode, options=options)
+    else:
+        merged: dict = {}
+        if mode not in (None, "default"):
+            merged.update(torch._inductor.list_mode_options(mode, kwargs.get("dynamic")))
+        merged.update(INDUCTOR_OPTIONS)
+        merged.update(options or {})
+        kwargs["options"] = merged
+    if not in_place:
+        return torch.compile(model, **kwargs)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"mesa_lite.compile: in_place=True compiles a module's calls; got "
+            f"{type(model).__name__}"
+        )
+    model.compile(**kwargs)
+    return model
 
 
 def _refuse_fullgraph_checkpointing(model) -> None:

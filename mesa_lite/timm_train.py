@@ -20,15 +20,23 @@ come before the path to ``train.py``; everything after the path is ``train.py``'
   without gradients, so its wrapped layers run the plain torch op.
 - ``wrap`` keeps Parameters and state_dict keys: checkpoints load into an unwrapped model, and
   ``--resume`` and ``--initial-checkpoint`` work as usual.
-- ``--torchcompile`` compiles the wrapped model (one graph: mesa_lite's Functions trace);
+- ``--torchcompile`` compiles the wrapped model through ``mesa_lite.compile`` (the launcher
+  routes ``torch.compile`` of a model holding mesa_lite layers there while train.py runs:
+  plain ``torch.compile`` keeps about 2x the activation memory, ``mesa_lite.compiling``);
   ``--torchscript`` cannot script mesa_lite's layers and is refused before training starts.
+- ``--mesa-checkpoint blocks`` (compressed checkpointing, ``Config(checkpoint=...)``)
+  replaces train.py's ``--grad-checkpointing``; both at once are refused before training.
+- ``--mesa-config FILE`` wraps with the ``Config`` keyword arguments a JSON file holds, e.g.
+  a plan's (``mesa_lite.planner``: ``json.dump(plan.config_kwargs(), f)``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
+import json
 import os
 import runpy
 import sys
@@ -36,19 +44,19 @@ from collections.abc import Callable, Sequence
 
 # Light on purpose (no torch, no timm): --help and bad options answer at once.
 from mesa_lite._cli import HelpFormatter
-from mesa_lite.config import LAYER_KINDS, ROUNDINGS, SUPPORTED_BITS, Config
+from mesa_lite.config import CHECKPOINT_MODES, LAYER_KINDS, ROUNDINGS, SUPPORTED_BITS, Config
 
 __all__ = ["main", "parse_args", "install_hook"]
 
 _PROG = "python -m mesa_lite.timm_train"
 _SCRIPT = "mesa-lite-timm-train"  # the console entry point
 # Launcher options that take exactly one value (for splitting argv at train.py's path).
-_ONE_VALUE = ("--mesa-bits", "--mesa-group-size", "--mesa-rounding")
+_ONE_VALUE = ("--mesa-bits", "--mesa-group-size", "--mesa-rounding", "--mesa-checkpoint",
+              "--mesa-checkpoint-bits", "--mesa-config")  # fmt: skip
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Config) if f.name != "overrides"}
 _DEFAULT_LAYERS = [k for k in LAYER_KINDS if k in _DEFAULTS["layers"]]
-_OPTIONS = {
-    f: "--mesa-" + f.replace("_", "-") for f in ("bits", "group_size", "rounding", "layers")
-}
+_FIELDS = ("bits", "group_size", "rounding", "layers", "checkpoint", "checkpoint_bits")
+_OPTIONS = {f: "--mesa-" + f.replace("_", "-") for f in _FIELDS}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,6 +96,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mesa-layers", nargs="+", choices=LAYER_KINDS, default=_DEFAULT_LAYERS,
         metavar="KIND", help=f"layer kinds to wrap, from: {' '.join(LAYER_KINDS)}",
+    )  # fmt: skip
+    p.add_argument(
+        "--mesa-checkpoint", choices=CHECKPOINT_MODES, default=None,
+        help="compressed checkpointing of these modules (Config.checkpoint): each keeps only "
+        "a compressed copy of its input and is recomputed in backward; replaces train.py's "
+        "--grad-checkpointing (default: off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--mesa-checkpoint-bits", choices=[str(b) for b in SUPPORTED_BITS] + ["exact"],
+        default=None, metavar="{8,4,2,exact}",
+        help="width of the checkpointed modules' input copy; exact keeps the input itself "
+        "(default: --mesa-bits)",
+    )  # fmt: skip
+    p.add_argument(
+        "--mesa-config", default=None, metavar="FILE",
+        help="a JSON file of Config keyword arguments (e.g. a plan's config_kwargs()); "
+        "excludes the options above",
     )  # fmt: skip
     p.add_argument(
         "--mesa-off", action="store_true",
@@ -155,25 +180,57 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, C
     args.train_py, args.train_args = rest[0], rest[1:]
     if not os.path.isfile(args.train_py):
         p.error(f"train.py not found: {args.train_py!r}")
-    try:
-        config = Config(
-            bits=args.mesa_bits,
-            group_size=args.mesa_group_size,
-            rounding=args.mesa_rounding,
-            layers=frozenset(args.mesa_layers),
-        )
-    except (TypeError, ValueError) as e:  # Config's message starts with the field's name
-        option = _OPTIONS.get(str(e).split(" ", 1)[0], "--mesa-*")
-        p.error(f"argument {option}: {e}")
+    if args.mesa_config is not None:
+        given = [o for o in _OPTIONS.values() if any(a.split("=")[0] == o for a in own)]
+        if given:
+            p.error(f"argument --mesa-config: not allowed with {', '.join(given)} (the file "
+                    "gives the whole Config)")  # fmt: skip
+        try:
+            with open(args.mesa_config) as f:
+                kwargs = json.load(f)
+        except (OSError, ValueError) as e:
+            p.error(f"argument --mesa-config: cannot read {args.mesa_config!r}: {e}")
+        if not isinstance(kwargs, dict):
+            kind = type(kwargs).__name__
+            p.error(f"argument --mesa-config: {args.mesa_config!r} holds a JSON {kind}, not "
+                    "an object of Config keyword arguments")  # fmt: skip
+        try:
+            config = Config(**kwargs)
+        except (TypeError, ValueError) as e:
+            p.error(f"argument --mesa-config: {args.mesa_config}: {e}")
+    else:
+        bits = args.mesa_checkpoint_bits
+        try:
+            config = Config(
+                bits=args.mesa_bits,
+                group_size=args.mesa_group_size,
+                rounding=args.mesa_rounding,
+                layers=frozenset(args.mesa_layers),
+                checkpoint=args.mesa_checkpoint,
+                checkpoint_bits=bits if bits in (None, "exact") else int(bits),
+            )
+        except (TypeError, ValueError) as e:  # Config's message starts with the field's name
+            option = _OPTIONS.get(str(e).split(" ", 1)[0], "--mesa-*")
+            p.error(f"argument {option}: {e}")
+    if config.checkpoint is not None and not args.mesa_off and \
+            "--grad-checkpointing" in args.train_args:  # fmt: skip
+        p.error("train.py's --grad-checkpointing and mesa_lite's checkpointing "
+                f"(checkpoint={config.checkpoint!r}) would recompute each block twice: drop "
+                "one of them")  # fmt: skip
     return args, config
 
 
 def _describe(config: Config) -> str:
     # Config's own repr prints a frozenset, whose order changes from run to run.
-    return (
+    out = (
         f"Config(bits={config.bits}, group_size={config.group_size}, "
-        f"rounding={config.rounding}, layers={sorted(config.layers)})"
+        f"rounding={config.rounding}, layers={sorted(config.layers)}"
     )
+    if config.checkpoint is not None:
+        out += f", checkpoint={config.checkpoint!r}, checkpoint_bits={config.checkpoint_bits!r}"
+    if config.overrides:
+        out += f", overrides for {len(config.overrides)} patterns"
+    return out + ")"
 
 
 def _say(msg: str) -> None:
@@ -235,6 +292,43 @@ def install_hook(config: Config) -> Callable[[], None]:
     return restore
 
 
+@contextlib.contextmanager
+def _compile_through_mesa_lite():
+    """``torch.compile`` of a module that holds mesa_lite layers goes through
+    ``mesa_lite.compile`` inside the block (train.py's ``--torchcompile``, timm's tasks call
+    ``torch.compile`` itself); anything else, and mesa_lite.compile's own call, is unchanged."""
+    import torch
+
+    import mesa_lite
+    from mesa_lite.modules import MesaModule
+
+    original = torch.compile
+    inside: list[bool] = []
+    said: list[bool] = []
+
+    @functools.wraps(original)
+    def compile(model=None, **kwargs):  # noqa: A001
+        mesa = isinstance(model, torch.nn.Module) and any(
+            isinstance(m, MesaModule) for m in model.modules()
+        )
+        if inside or not mesa:
+            return original(model, **kwargs)
+        if not said:
+            said.append(True)
+            _say("--torchcompile: compiling the wrapped model with mesa_lite.compile")
+        inside.append(True)
+        try:
+            return mesa_lite.compile(model, **kwargs)
+        finally:
+            inside.pop()
+
+    torch.compile = compile
+    try:
+        yield
+    finally:
+        torch.compile = original
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: parses the launcher's options, installs the hook, runs train.py.
 
@@ -256,7 +350,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # as `python train.py` would: train.py's own folder first on the import path
     sys.path.insert(0, os.path.dirname(os.path.abspath(args.train_py)))
     try:
-        runpy.run_path(args.train_py, run_name="__main__")
+        with contextlib.nullcontext() if args.mesa_off else _compile_through_mesa_lite():
+            runpy.run_path(args.train_py, run_name="__main__")
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
         if restore is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import json
 import logging
 import os
 import resource
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 
 import mesa_lite
 from mesa_lite import timm_train
@@ -342,3 +344,83 @@ def test_bad_options_fail_clearly(argv, message):
     assert message in proc.stderr, proc.stderr
     assert "usage: python -m mesa_lite.timm_train" in proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_checkpoint_options_build_the_config():
+    _, config = timm_train.parse_args(
+        ["--mesa-checkpoint", "blocks", "--mesa-checkpoint-bits", "exact", str(TRAIN_PY)]
+    )
+    assert config == mesa_lite.Config(checkpoint="blocks", checkpoint_bits="exact")
+    _, config = timm_train.parse_args(
+        ["--mesa-bits", "4", "--mesa-checkpoint=attention", "--mesa-checkpoint-bits", "8",
+         str(TRAIN_PY), "--model", "x"]
+    )  # fmt: skip
+    assert config == mesa_lite.Config(bits=4, checkpoint="attention", checkpoint_bits=8)
+
+
+def test_a_plans_config_file_is_the_config(tmp_path):
+    """``--mesa-config`` wraps with a JSON file of Config keyword arguments, as a plan's
+    ``config_kwargs()`` writes them."""
+    kwargs = {"bits": 4, "group_size": 64, "checkpoint": ["blocks.0", "blocks.1"],
+              "checkpoint_bits": 8, "overrides": {"blocks.2.*": {"bits": 8}}}  # fmt: skip
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(kwargs))
+    _, config = timm_train.parse_args(["--mesa-config", str(path), str(TRAIN_PY)])
+    assert config == mesa_lite.Config(**kwargs)
+    assert "overrides for 1 patterns" in timm_train._describe(config)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--mesa-config", "P", "--mesa-bits", "4", "T"],
+         "argument --mesa-config: not allowed with --mesa-bits"),
+        (["--mesa-config", "missing.json", "T"], "argument --mesa-config: cannot read"),
+        (["--mesa-config", "L", "T"], "holds a JSON list, not an object of Config keyword"),
+        (["--mesa-config", "B", "T"], "argument --mesa-config: "),
+        (["--mesa-checkpoint", "blocks", "T", "--grad-checkpointing"],
+         "--grad-checkpointing and mesa_lite's checkpointing (checkpoint='blocks') would"),
+        (["--mesa-checkpoint", "layers", "T"], "argument --mesa-checkpoint: invalid choice"),
+        (["--mesa-checkpoint-bits", "16", "T"], "argument --mesa-checkpoint-bits: invalid"),
+    ],
+    ids=["config-and-option", "config-missing", "config-list", "config-bad-field",
+         "both-checkpointings", "checkpoint-mode", "checkpoint-bits"],
+)  # fmt: skip
+def test_bad_config_and_checkpoint_options_fail_clearly(argv, message, tmp_path, capsys):
+    files = {"P": {"bits": 4}, "L": [4], "B": {"bits": 3}}
+    for key, value in files.items():
+        (tmp_path / f"{key}.json").write_text(json.dumps(value))
+    argv = [str(TRAIN_PY) if a == "T" else str(tmp_path / f"{a}.json") if a in files
+            else str(tmp_path / a) if a.endswith(".json") else a for a in argv]  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        timm_train.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    if "B.json" in " ".join(argv):
+        assert "bits must be one of" in err, err
+
+
+def test_torchcompile_of_the_wrapped_model_goes_through_mesa_lite_compile(monkeypatch):
+    """train.py's ``--torchcompile`` (timm's task calls ``torch.compile`` itself) compiles the
+    wrapped model with mesa_lite.compile's Inductor options; other modules and functions, and
+    everything after the run, get torch.compile unchanged."""
+    calls = []
+
+    def spy(model=None, **kwargs):
+        calls.append((model, kwargs))
+        return model
+
+    monkeypatch.setattr(torch, "compile", spy)
+    wrapped = mesa_lite.wrap(nn.Sequential(nn.Linear(4, 4), nn.GELU()))
+    plain = nn.Sequential(nn.Linear(4, 4))
+    with timm_train._compile_through_mesa_lite():
+        assert torch.compile(wrapped, backend="inductor", mode=None) is wrapped
+        assert torch.compile(plain, backend="inductor") is plain
+        torch.compile(len)
+    assert torch.compile is spy
+    (m0, k0), (m1, k1), (m2, k2) = calls
+    assert m0 is wrapped and k0["options"] == mesa_lite.compiling.INDUCTOR_OPTIONS
+    assert k0["dynamic"] is False
+    assert m1 is plain and "options" not in k1 and k1 == {"backend": "inductor"}
+    assert m2 is len and k2 == {}
