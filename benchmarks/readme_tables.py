@@ -57,8 +57,9 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = "benchmarks/results"
 README = "README.md"
 DOC = "docs/RESULTS.md"
+GUIDE = "docs/GUIDE.md"  # figures only ("Which option when")
 # the documents that hold tables and figures, as paths from the repository root
-DOCUMENTS = (README, DOC)
+DOCUMENTS = (README, DOC, GUIDE)
 
 
 def _load(name: str, root: Path = ROOT) -> list[dict]:
@@ -625,12 +626,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results-doc", type=Path, default=ROOT / DOC,
                    help=f"the file to check or rewrite as {DOC} (its links are "
                    "written relative to docs/)")  # fmt: skip
+    p.add_argument("--guide", type=Path, default=ROOT / GUIDE,
+                   help=f"the file to check or rewrite as {GUIDE}")  # fmt: skip
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    paths = dict(zip(DOCUMENTS, (args.readme, args.results_doc), strict=True))
+    paths = dict(zip(DOCUMENTS, (args.readme, args.results_doc, args.guide), strict=True))
     texts = {doc: path.read_text() for doc, path in paths.items()}
     if args.check:
         problems = check_documents(texts)

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 DOC = readme_tables.DOC  # docs/RESULTS.md
 RESULTS_DOC = (ROOT / DOC).read_text()
-TEXTS = {readme_tables.README: README, DOC: RESULTS_DOC}
+GUIDE = (ROOT / readme_tables.GUIDE).read_text()
+TEXTS = {readme_tables.README: README, DOC: RESULTS_DOC, readme_tables.GUIDE: GUIDE}
 
 
 def test_readme_tables_match_the_results_files():
@@ -26,6 +27,13 @@ def test_readme_tables_match_the_results_files():
 def test_results_doc_tables_match_the_results_files():
     assert readme_tables.check(RESULTS_DOC, doc=DOC) == []
     assert readme_tables.check_documents(TEXTS) == []
+
+
+def test_the_guides_figures_match_the_results_files():
+    """The GUIDE's "Which option when" table quotes the results files through figures."""
+    assert readme_tables.check(GUIDE, doc=readme_tables.GUIDE) == []
+    section = GUIDE[GUIDE.index("## Which option when"):GUIDE.index("## The API in full")]
+    assert section.count("<!-- fig:") >= 30, section
 
 
 def test_every_table_is_in_exactly_one_document():
@@ -119,7 +127,7 @@ def test_a_table_in_neither_document_or_in_both_is_reported():
     problems = readme_tables.check_documents(gone)
     assert problems == [
         "table 'budget': no <!-- table:budget --> ... <!-- /table:budget --> block "
-        f"in README.md or {DOC}"
+        f"in README.md or {DOC} or {readme_tables.GUIDE}"
     ]
     with pytest.raises(ValueError, match="table 'budget': no <!-- table:budget -->"):
         readme_tables.update_documents(gone)
