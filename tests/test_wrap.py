@@ -584,6 +584,37 @@ def test_first_wrap_prints_one_line_each(logging_set_up, tmp_path):
         assert lines[0].startswith("mesa_lite.wrap: ") and lines[2] == "end"
 
 
+_REAL_MODELS = r"""
+import timm, transformers
+import mesa_lite
+
+transformers.logging.set_verbosity_error()
+mesa_lite.wrap(timm.create_model("resnet18", pretrained=False))
+mesa_lite.wrap(timm.create_model("deit_tiny_patch16_224", pretrained=False))
+config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256)
+mesa_lite.wrap(transformers.GPT2LMHeadModel(config))
+"""
+
+
+def test_first_wrap_of_a_cnn_a_vit_and_an_llm_prints_one_line_each(tmp_path):
+    """The issue's target, on the real models and no logging set-up: timm's ResNet-18 (a
+    warning naming the opt-in kinds), DeiT-Ti and a Hugging Face GPT-2, one line each."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    script = tmp_path / "real_models.py"
+    script.write_text(_REAL_MODELS)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, check=True)  # fmt: skip
+    lines = [line for line in run.stderr.splitlines() if line.startswith("mesa_lite.wrap")]
+    assert len(lines) == 3, run.stderr
+    cnn, vit, llm = lines
+    assert "of ResNet" in cnn and "OPT_IN_KINDS" in cnn, cnn
+    assert "of VisionTransformer (linear 49" in vit and "OPT_IN_KINDS" not in vit, vit
+    assert "of GPT2LMHeadModel" in llm and "loss 1" in llm, llm
+
+
 def test_library_copies_wrap_quietly(caplog):
     """The planner's copies (one per policy it measures) log no wrap line."""
     from mesa_lite import planner
