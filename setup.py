@@ -41,6 +41,8 @@ setup(
             "transformers>=5.0,<5.24",
             # the Hugging Face Trainer recipe's test: the Trainer cannot run without it
             "accelerate>=1.1",
+            # the LoRA recipe's test (PEFT on a wrapped model, either order)
+            "peft>=0.13",
         ],
         "bench": [
             "timm>=1.0",
