@@ -54,10 +54,15 @@ FAMILIES = ("deit", "swin", "convnext", "resnet", "gpt2", "gpt2-dropout", "llama
 
 def build_parser() -> argparse.ArgumentParser:
     p = argument_parser(__doc__)
-    p.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES),
-                   help="families to check")
-    p.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default=None,
-                   help="autocast dtype (default: bf16 on a GPU; the CPU runs fp32)")
+    p.add_argument(
+        "--families", nargs="+", choices=FAMILIES, default=list(FAMILIES), help="families to check"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "fp16", "bf16"],
+        default=None,
+        help="autocast dtype (default: bf16 on a GPU; the CPU runs fp32)",
+    )
     p.add_argument("--steps", type=positive_int, default=8, help="AdamW steps per run")
     p.add_argument("--floor", type=float, default=15.0,
                    help="worst per-parameter gradient SQNR a run must reach, dB")  # fmt: skip
@@ -91,8 +96,9 @@ def _language(name: str):
         cfg = tf.GPT2Config(n_layer=2, attn_pdrop=p, resid_pdrop=p, embd_pdrop=p)
         cls = tf.GPT2LMHeadModel
     elif name == "bert":
-        cfg = tf.BertConfig(num_hidden_layers=2, hidden_dropout_prob=0.0,
-                            attention_probs_dropout_prob=0.0)
+        cfg = tf.BertConfig(
+            num_hidden_layers=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+        )
         cls = tf.BertForMaskedLM
     else:
         conf = tf.LlamaConfig if name == "llama" else tf.Qwen2Config
@@ -162,27 +168,36 @@ def check(name: str, args) -> list[dict]:
     fall = ref_losses[0] - ref_losses[-1]
     rows = [{"family": name, "run": "plain eager", "loss_first": ref_losses[0],
              "loss_last": ref_losses[-1], "ok": True}]  # fmt: skip
-    for run, model, src in (("mesa eager", wrapped, wrapped), ("mesa compiled", compiled,
-                                                               compiled_src)):
+    for run, model in (("mesa eager", wrapped), ("mesa compiled", compiled)):
         try:
             got, losses = _run(model, loss_fn, device, args.dtype, args.steps)
             grads = dict(zip(names, got, strict=True))
         except Exception as e:  # a failed compile is a result
-            rows.append({"family": name, "run": run, "ok": False,
-                         "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
+            rows.append(
+                {
+                    "family": name,
+                    "run": run,
+                    "ok": False,
+                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}",
+                }
+            )
             continue
         row = {"family": name, "run": run, "loss_first": losses[0], "loss_last": losses[-1]}
         missing = [n for n, g in ref_grads.items() if g is not None and grads.get(n) is None]
-        dbs = {n: _sqnr(g, grads[n]) for n, g in ref_grads.items()
-               if g is not None and n not in missing and g.norm().item() >= 1e-4 * scale}
+        dbs = {
+            n: _sqnr(g, grads[n])
+            for n, g in ref_grads.items()
+            if g is not None and n not in missing and g.norm().item() >= 1e-4 * scale
+        }
         ok_loss = fall <= 0 or (losses[0] - losses[-1]) >= 0.8 * fall
         row["loss_falls"] = ok_loss
         if dropout:
             row["ok"] = ok_loss and not missing
         else:
             worst = min(dbs, key=dbs.get)
-            row.update(worst_db=dbs[worst], worst_param=worst,
-                       median_db=statistics.median(dbs.values()))
+            row.update(
+                worst_db=dbs[worst], worst_param=worst, median_db=statistics.median(dbs.values())
+            )
             row["ok"] = ok_loss and not missing and dbs[worst] >= args.floor
         if missing:
             row["error"] = f"no gradient: {missing[:3]}"

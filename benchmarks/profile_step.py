@@ -77,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="amp = plain training, mesa = wrapped with the default Config")  # fmt: skip
     p.add_argument("--rows", type=positive_int, default=18, help="rows of each profiler table")
     p.add_argument("--compile", action="store_true",
-                   help="compile each model (timm or Hugging Face), a wrapped one through mesa_lite.compile "
-                   "(a fresh graph per mode)")  # fmt: skip
+                   help="compile each model (timm or Hugging Face), a wrapped one through "
+                   "mesa_lite.compile (a fresh graph per mode)")  # fmt: skip
     add_out_argument(p, "profile_step", "PREFIX.txt")
     return p
 

@@ -22,7 +22,11 @@ INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False}
 
 
 def compile(  # noqa: A001
-    model=None, *, mode: str | None = None, options: dict | None = None, in_place: bool = False,
+    model=None,
+    *,
+    mode: str | None = None,
+    options: dict | None = None,
+    in_place: bool = False,
     **kwargs,
 ):
     """``torch.compile(model, ...)`` with ``INDUCTOR_OPTIONS``; same arguments and result

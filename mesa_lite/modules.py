@@ -155,6 +155,7 @@ class FusedBlock:
             return False
         if any(_GLOBAL_HOOKS) or in_functorch_transform():
             return False
+        check_cpu_bf16(x)
         return True
 
     def _mesa_unfused_attention(self, x: torch.Tensor, remember: bool = False) -> bool:

@@ -786,9 +786,10 @@ def measure(
     of ``model`` itself, which the planned run will not hold twice), then ``timed``
     synchronized steps (up to ``_MORE`` times as many while their interquartile range is
     above ``NOISE`` of their median; a warning names the policies whose times stay that
-    noisy), whose median
-    divided among the blocks is each block's time (a checkpointing policy's at least plain's:
-    it runs the forward twice) (the rest of the step is then shared
+    noisy; the spread is judged from 3 steps on, so ``timed`` below 3 takes the times as
+    they come), whose median divided among the blocks is each block's time (every policy's
+    at least plain's, with plain measured: each does plain's work and more, so a faster time
+    is noise) (the rest of the step is then shared
     evenly, so a plan's predicted time is exact for one policy on every block and a mix of
     those in between).
 
@@ -801,6 +802,8 @@ def measure(
         base: the Config the plan builds on (bits, group size, layer kinds).
         blocks: the block names; by default the model's repeated blocks
             (``mesa_lite.checkpoint.repeated_blocks``).
+        warmup: untimed training steps first, at least 1 with an optimizer.
+        timed: timed steps per policy, at least 1 (3 or more for the noise check).
         sync: under torch.distributed, return rank 0's measurements on every rank
             (``broadcast``), so that every rank plans the same.
 
@@ -835,6 +838,10 @@ def measure(
     if missing:
         raise ValueError(f"measure: blocks {missing} are not modules of the model")
     leaves = tuple(n for n in blocks if not any(True for _ in modules[n].children()))
+    if not isinstance(timed, int) or timed < 1:
+        raise ValueError(f"measure: timed must be a positive int (steps timed), got {timed!r}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"measure: warmup must be a non-negative int, got {warmup!r}")
     if optimizer_fn is not None and warmup < 1:
         raise ValueError("measure: warmup must be at least 1 with an optimizer (its state is "
                          "allocated by the first step)")  # fmt: skip
@@ -878,11 +885,10 @@ def measure(
             stacklevel=2,
         )
     if "plain" in seconds:
-        # a checkpointed block runs its forward twice: never faster than plain (a timing
-        # that says otherwise is noise)
+        # every policy does plain's work and more (quantizing, or the forward twice): never
+        # faster than plain (a timing that says otherwise is noise)
         for p in seconds:
-            if p in _WIDTHS:
-                seconds[p] = max(seconds[p], seconds["plain"])
+            seconds[p] = max(seconds[p], seconds["plain"])
     static = max(s.static for s in steps.values())
     temporaries = 0
     transient = {p: 0 for p in policies}

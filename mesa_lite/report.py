@@ -332,7 +332,8 @@ def memory_report(
 
     Plain is the model as the unwrapped one runs: no compression, no checkpointing by mesa_lite
     (``Config(checkpoint=...)`` or a plan), so the reduction is against the model the user
-    started from.
+    started from. A checkpointed module is one row: what its layers keep plain against its
+    input copy.
 
     Activations and autocast's weight copies (low-precision casts of Parameters kept for
     backward) are reported apart; ``MemoryReport.reduction`` is plain / compressed on
@@ -380,6 +381,17 @@ def memory_report(
     finally:
         model.train(was_training)
     kinds = {n: type(m).__name__ for n, m in model.named_modules()}
+    # a module checkpointed by mesa_lite keeps only its input copy, on its own row: the bytes
+    # its layers keep in the plain forward are counted on that row too (one row per unit)
+    units = [n for n, m in model.named_modules() if m.__dict__.get("_mesa_ckpt_spec") is not None]
+    for table in (plain, comp):
+        for unit in units:
+            inside = [n for n in table if n != unit and (unit == "" or n.startswith(unit + "."))]
+            row = table.setdefault(unit, [0, 0])
+            for n in inside:
+                row[0] += table[n][0]
+                row[1] += table[n][1]
+                del table[n]
     order = [n for n, _ in model.named_modules() if n in plain or n in comp]
     rows = []
     for n in order:

@@ -200,6 +200,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, C
             p.error(f"argument --mesa-config: {args.mesa_config}: {e}")
     else:
         bits = args.mesa_checkpoint_bits
+        if bits is not None and args.mesa_checkpoint is None:
+            p.error("argument --mesa-checkpoint-bits: has no effect without --mesa-checkpoint")
         try:
             config = Config(
                 bits=args.mesa_bits,
@@ -213,11 +215,18 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, C
             option = _OPTIONS.get(str(e).split(" ", 1)[0], "--mesa-*")
             p.error(f"argument {option}: {e}")
     if config.checkpoint is not None and not args.mesa_off and \
-            "--grad-checkpointing" in args.train_args:  # fmt: skip
+            any(_grad_checkpointing(a) for a in args.train_args):  # fmt: skip
         p.error("train.py's --grad-checkpointing and mesa_lite's checkpointing "
                 f"(checkpoint={config.checkpoint!r}) would recompute each block twice: drop "
                 "one of them")  # fmt: skip
     return args, config
+
+
+def _grad_checkpointing(arg: str) -> bool:
+    """Whether ``arg`` is train.py's ``--grad-checkpointing`` or an abbreviation argparse
+    would take for it (train.py's parser allows unique prefixes; ``--grad-c`` and longer)."""
+    name = arg.split("=", 1)[0]
+    return len(name) >= len("--grad-c") and "--grad-checkpointing".startswith(name)
 
 
 def _describe(config: Config) -> str:

@@ -9,11 +9,13 @@ module an ``accepts`` predicate rejects, such as timm's LayerNorm on its fast-no
 The line is at INFO level when nothing was skipped that the user did not ask to skip, at
 WARNING level otherwise, and when modules of the opt-in kinds (convolutions, batch norms, ...)
 that the config leaves out hold most of the model's parameters (a CNN wrapped with the
-default layers: the line names the option that compresses them). Either way it is printed on
-stderr while the program has not configured logging (mesa_lite's logger has INFO level and a
-handler that writes only then); once it has (``logging.basicConfig(...)``), the line goes to
-the program's handlers like any library's. ``logging.getLogger("mesa_lite").setLevel(
-logging.WARNING)`` keeps only the warnings.
+default layers: the line names the option that compresses them). While the program has not
+configured logging (no handler on the root logger nor on ``mesa_lite``'s), ``wrap`` prints
+the line on stderr itself, on rank 0 only under torchrun (``RANK``), so that a first wrap
+says what it did; ``logging.getLogger("mesa_lite").setLevel(logging.WARNING)`` keeps only
+the warnings, ``logging.disable`` silences it. Once logging is configured
+(``logging.basicConfig(...)``, a handler of one's own), the line is a record like any
+library's: the program's levels and handlers decide (an INFO line needs INFO enabled).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import logging
+import os
 import sys
 import warnings
 from collections import Counter
@@ -74,23 +77,14 @@ __all__ = ["wrap", "unwrap", "register", "wrapped_modules"]
 logger = logging.getLogger("mesa_lite")
 
 
-class _UntilConfigured(logging.StreamHandler):
-    """Writes mesa_lite's records to the current ``sys.stderr`` while the program has not
-    configured logging (the root logger has no handler), so that ``wrap``'s summary line is
-    seen without set-up; once logging is configured the records reach its handlers as any
-    library's do, and this writes nothing (no line twice)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if logging.getLogger().handlers:
-            return
-        self.stream = sys.stderr  # the current one (a test's capture, a redirected stream)
-        super().emit(record)
-
-
-if not any(isinstance(h, _UntilConfigured) for h in logger.handlers):
-    logger.addHandler(_UntilConfigured())
-if logger.level == logging.NOTSET:  # a level the program set is kept
-    logger.setLevel(logging.INFO)
+def _say(level: int, line: str) -> None:
+    """``line`` as a record of ``mesa_lite``'s logger once logging is configured, else on
+    stderr (rank 0 only), unless the logger's own level or ``logging.disable`` holds it back."""
+    if logging.getLogger().handlers or logger.handlers:
+        logger.log(level, line)
+    elif level >= (logger.level or logging.INFO) and level > logging.root.manager.disable:
+        if os.environ.get("RANK", "0") == "0":
+            print(line, file=sys.stderr, flush=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -507,7 +501,7 @@ def _wrap(model, config, filter_fn):
             "compresses them too"
         )
     if not _QUIET:
-        logger.log(logging.WARNING if skipped or bulk_plain else logging.INFO, line)
+        _say(logging.WARNING if skipped or bulk_plain else logging.INFO, line)
     return model
 
 

@@ -124,14 +124,22 @@ def test_fp16_overflow_under_autocast_stays_non_finite(name, device):
         assert not finite_ref  # the weight gradient sees the inf
 
 
-def test_bf16_on_a_cpu_that_emulates_it_is_said_once(monkeypatch):
-    """Training in bf16 on a CPU without native bf16 warns once (torch emulates bf16, many
-    times slower than fp32); fp32 training and a CPU with native bf16 say nothing."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fused", [False, True])
+def test_bf16_on_a_cpu_that_emulates_it_is_said_once(monkeypatch, dtype, fused):
+    """Training in bf16 or fp16 on a CPU without native bf16 warns once (torch emulates both,
+    many times slower than fp32), for a model of single layers and one whose layers are one
+    fused block; fp32 training and a CPU with native bf16 say nothing."""
     import warnings
 
     from mesa_lite.ops import common
 
-    model = mesa_lite.wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()))
+    layers = [torch.nn.Linear(8, 8), torch.nn.GELU()] + ([torch.nn.Linear(8, 8)] if fused else [])
+    model = mesa_lite.wrap(torch.nn.Sequential(*layers))
+    from mesa_lite.modules import FusedBlock
+
+    # recognised as one block (a Sequential MLP, proved) or single layers
+    assert any(isinstance(m, FusedBlock) for m in model.modules()) == fused
     x = torch.randn(2, 8)
     for native in (True, False):
         monkeypatch.setattr(common, "cpu_has_native_bf16", lambda native=native: native)
@@ -140,8 +148,28 @@ def test_bf16_on_a_cpu_that_emulates_it_is_said_once(monkeypatch):
             warnings.simplefilter("always")
             model(x).sum().backward()  # fp32: nothing to say
             for _ in range(2):
-                with torch.autocast("cpu", torch.bfloat16):
+                with torch.autocast("cpu", dtype):
                     model(x).float().sum().backward()
         said = [w for w in caught if "without native bf16" in str(w.message)]
         assert len(said) == (0 if native else 1), [str(w.message) for w in caught]
     common._WARNED.discard("cpu-bf16")
+
+
+def test_the_bf16_check_adds_no_guard_to_compiled_graphs():
+    """Found by review: the check read mesa_lite's warned set while torch.compile traced, so
+    a later warning of any kind recompiled every compiled graph."""
+    from mesa_lite.ops import common
+
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    model = mesa_lite.wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU()))
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(2, 8)
+    compiled(x).sum().backward()
+    common._WARNED.add("some-other-warning")
+    try:
+        compiled(x).sum().backward()
+    finally:
+        common._WARNED.discard("some-other-warning")
+    assert counts["stats"]["unique_graphs"] == 1, dict(counts["stats"])

@@ -62,9 +62,7 @@ def _resnet():
     import timm
 
     torch.manual_seed(0)
-    return timm.models.resnet.ResNet(
-        timm.models.resnet.BasicBlock, [1, 1, 1, 1], num_classes=5
-    )
+    return timm.models.resnet.ResNet(timm.models.resnet.BasicBlock, [1, 1, 1, 1], num_classes=5)
 
 
 VISION = {
@@ -72,7 +70,9 @@ VISION = {
     "swin": (tiny_swin, 28, mesa_lite.Config()),
     "convnext": (_convnext, 32, mesa_lite.Config()),
     "resnet": (
-        _resnet, 32, mesa_lite.Config(layers=mesa_lite.DEFAULT_LAYERS | mesa_lite.OPT_IN_KINDS)
+        _resnet,
+        32,
+        mesa_lite.Config(layers=mesa_lite.DEFAULT_LAYERS | mesa_lite.OPT_IN_KINDS),
     ),
 }
 

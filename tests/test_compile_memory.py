@@ -129,7 +129,7 @@ def test_compiled_loss_backward_is_one_expression(monkeypatch):
         fn(logits, labels).backward()
         grads.append(logits.grad.float())
         if compiled:
-            (_, bw), = graphs
+            ((_, bw),) = graphs
             targets = {str(n.target) for n in bw.graph.nodes if n.op == "call_function"}
             assert not any("scatter" in t or "index_put" in t for t in targets), targets
             # the forward's log-sum-exp is kept: no reduction over the vocabulary in backward

@@ -107,6 +107,7 @@ def _force_triton(monkeypatch):
     import mesa_lite.kernels.bits
     import mesa_lite.kernels.group_quant
     import mesa_lite.kernels.launch
+
     import mesa_lite.quant
 
     launch = mesa_lite.kernels.launch

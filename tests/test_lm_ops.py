@@ -434,7 +434,10 @@ def test_cross_entropy_over_rows_of_any_shape(monkeypatch):
     assert a.grad.shape == a.shape
     assert_equal(a.grad.flatten(0, 1), b.grad, "gradient")
     with torch.no_grad():
-        assert_equal(ce.cross_entropy(logits, labels, rows=True),
-                     F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()), "no grad")
+        assert_equal(
+            ce.cross_entropy(logits, labels, rows=True),
+            F.cross_entropy(logits.float().flatten(0, 1), labels.flatten()),
+            "no grad",
+        )
     with pytest.raises(ValueError, match=r"expected logits \(\.\.\., vocab\) and labels"):
         ce.cross_entropy(a, labels.flatten(), rows=True)

@@ -540,7 +540,7 @@ def test_measure_and_plan_other_timm_families(name):
         config = to_config(m.blocks, choice, base, m.leaves)
         kept = _kept_in_training(model, config, x)
         fresh = mesa_lite.wrap(copy.deepcopy(model), config)
-        first, _ = saved_activation_bytes(lambda: fresh(x).square().mean(),
+        first, _ = saved_activation_bytes(lambda fresh=fresh: fresh(x).square().mean(),
                                           list(fresh.parameters()))  # fmt: skip
         predicted = m.outside + sum(_block_bytes(m, choice))
         # the prediction bounds the first step too (its ReLUs keep their own codes); bounding
@@ -728,15 +728,32 @@ def test_noisy_step_times_are_timed_longer_then_reported(monkeypatch):
                         blocks=["0", "1"])  # fmt: skip
 
 
-def test_a_checkpointed_block_never_times_faster_than_plain(monkeypatch):
+def test_no_policy_times_faster_than_plain(monkeypatch):
+    """Every policy does plain's work and more: a faster time (a loaded machine) is taken as
+    plain's, so a budget just below the plain peak cannot pick a plan predicted faster than
+    plain (found by review, with int8 timed faster)."""
     from mesa_lite import planner
 
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
                                   for _ in range(2)])  # fmt: skip
     x = torch.randn(4, 8)
-    times = iter([0.020, 0.010, 0.030])  # plain, ckpt (noise: faster), int8, in that order
+    # plain, ckpt and int8 (noise: faster), int4, in that order
+    times = iter([0.020, 0.010, 0.012, 0.030])
     monkeypatch.setattr(planner, "_step_seconds", lambda *a: (next(times), 0.0))
-    m = planner.measure(model, lambda m: m(x).pow(2).mean(), policies=("plain", "ckpt", "int8"),
-                        blocks=["0", "1"])  # fmt: skip
+    m = planner.measure(model, lambda m: m(x).pow(2).mean(),
+                        policies=("plain", "ckpt", "int8", "int4"), blocks=["0", "1"])  # fmt: skip
     assert [c.seconds for c in m.costs["ckpt"]] == [0.010, 0.010]  # plain's per block
-    assert [c.seconds for c in m.costs["int8"]] == [0.015, 0.015]
+    assert [c.seconds for c in m.costs["int8"]] == [0.010, 0.010]
+    assert [c.seconds for c in m.costs["int4"]] == [0.015, 0.015]
+
+
+@pytest.mark.parametrize("timed, warmup", [(0, 1), (-1, 1), (2.5, 1), (1, -1)])
+def test_bad_step_counts_are_refused(timed, warmup):
+    """Found by review: timed=0 looped forever."""
+    from mesa_lite import planner
+
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8)) for _ in range(2)])
+    x = torch.randn(4, 8)
+    what = "timed" if timed != 1 else "warmup"
+    with pytest.raises(ValueError, match=f"measure: {what} must be"):
+        planner.measure(model, lambda m: m(x).sum(), blocks=["0", "1"], timed=timed, warmup=warmup)

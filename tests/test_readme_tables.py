@@ -32,7 +32,7 @@ def test_results_doc_tables_match_the_results_files():
 def test_the_guides_figures_match_the_results_files():
     """The GUIDE's "Which option when" table quotes the results files through figures."""
     assert readme_tables.check(GUIDE, doc=readme_tables.GUIDE) == []
-    section = GUIDE[GUIDE.index("## Which option when"):GUIDE.index("## The API in full")]
+    section = GUIDE[GUIDE.index("## Which option when") : GUIDE.index("## The API in full")]
     assert section.count("<!-- fig:") >= 30, section
 
 
@@ -85,7 +85,9 @@ def test_an_altered_figure_fails_naming_the_table():
 def test_an_altered_figure_in_the_results_doc_fails_naming_the_table():
     # the Llama-shaped 1B's plan at half the plain peak in the budget table, budget_gpu_llama
     row = next(
-        line for line in RESULTS_DOC.splitlines() if line.startswith("| Llama-shaped 1B | plan 0.5 |")
+        line
+        for line in RESULTS_DOC.splitlines()
+        if line.startswith("| Llama-shaped 1B | plan 0.5 |")
     )
     assert "| 12,022 |" in row
     altered = RESULTS_DOC.replace(row, row.replace("| 12,022 |", "| 12,023 |"))
@@ -93,7 +95,9 @@ def test_an_altered_figure_in_the_results_doc_fails_naming_the_table():
     problems = readme_tables.check(altered, doc=DOC)
     assert len(problems) == 1, problems
     msg = problems[0]
-    assert msg.startswith(f"table 'budget' differs from the results files at {DOC} line {line}:"), msg
+    assert msg.startswith(f"table 'budget' differs from the results files at {DOC} line {line}:"), (
+        msg
+    )
     assert "12,023" in msg and "12,022" in msg
     assert readme_tables.check_documents({**TEXTS, DOC: altered}) == problems
     assert readme_tables.update(altered, doc=DOC) == RESULTS_DOC
@@ -122,7 +126,9 @@ def test_a_missing_marker_is_reported():
 
 
 def test_a_table_in_neither_document_or_in_both_is_reported():
-    block = re.search(r"^<!-- table:budget -->\n.*?^<!-- /table:budget -->\n", RESULTS_DOC, re.M | re.S)
+    block = re.search(
+        r"^<!-- table:budget -->\n.*?^<!-- /table:budget -->\n", RESULTS_DOC, re.M | re.S
+    )
     gone = {**TEXTS, DOC: RESULTS_DOC.replace(block[0], "")}
     problems = readme_tables.check_documents(gone)
     assert problems == [

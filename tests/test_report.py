@@ -196,8 +196,21 @@ def test_report_prints_only_when_asked_and_compares_with_the_unwrapped_model(cap
     assert report.plain_total == unwrapped
     kept, _ = saved_activation_bytes(lambda: model(x), model.parameters())
     assert report.compressed_total == kept < unwrapped / 4
+    # one row per checkpointed block (found by review: the plain bytes sat on its layers,
+    # each marked "shared", and the block row read 0.00 plain); the last block is not
+    # checkpointed ("blocks" leaves it: it would save nothing), its layers have their rows
+    units = [n for n, m in model.named_modules() if m.__dict__.get("_mesa_ckpt_spec")]
+    assert units == ["0", "1"]
+    names = [r.name for r in report.rows]
+    assert not [n for n in names if n.startswith(("0.", "1."))], names
+    for r in report.rows:
+        if r.name in units:
+            assert r.plain_bytes > 4 * r.compressed_bytes > 0, r
     print(report)
-    assert "total" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "total" in out, out
+    shared = [line.split()[0] for line in out.splitlines() if line.endswith(" shared")]
+    assert shared == ["2.fc1", "2.fc2"], out  # the wrapped, not checkpointed, block's
     # the checkpointing is back on after the report
     assert saved_activation_bytes(lambda: model(x), model.parameters())[0] == kept
 

@@ -380,11 +380,16 @@ def test_a_plans_config_file_is_the_config(tmp_path):
         (["--mesa-config", "B", "T"], "argument --mesa-config: "),
         (["--mesa-checkpoint", "blocks", "T", "--grad-checkpointing"],
          "--grad-checkpointing and mesa_lite's checkpointing (checkpoint='blocks') would"),
+        (["--mesa-checkpoint", "blocks", "T", "--grad-checkpoint"],
+         "--grad-checkpointing and mesa_lite's checkpointing"),
+        (["--mesa-checkpoint-bits", "4", "T"],
+         "argument --mesa-checkpoint-bits: has no effect without --mesa-checkpoint"),
         (["--mesa-checkpoint", "layers", "T"], "argument --mesa-checkpoint: invalid choice"),
         (["--mesa-checkpoint-bits", "16", "T"], "argument --mesa-checkpoint-bits: invalid"),
     ],
     ids=["config-and-option", "config-missing", "config-list", "config-bad-field",
-         "both-checkpointings", "checkpoint-mode", "checkpoint-bits"],
+         "both-checkpointings", "abbreviated", "bits-alone", "checkpoint-mode",
+         "checkpoint-bits"],
 )  # fmt: skip
 def test_bad_config_and_checkpoint_options_fail_clearly(argv, message, tmp_path, capsys):
     files = {"P": {"bits": 4}, "L": [4], "B": {"bits": 3}}

@@ -535,7 +535,9 @@ def test_a_cnn_wrapped_with_the_default_layers_warns_naming_the_opt_in_kinds(cap
         mesa_lite.wrap(net)
     (record,) = [r for r in caplog.records if r.name == "mesa_lite"]
     assert record.levelno == logging.WARNING
-    assert "left plain 4 modules of the opt-in kinds (conv 2, relu 1, batchnorm 1)" in record.message
+    assert (
+        "left plain 4 modules of the opt-in kinds (conv 2, relu 1, batchnorm 1)" in record.message
+    )
     assert "Config(layers=mesa_lite.DEFAULT_LAYERS | mesa_lite.OPT_IN_KINDS)" in record.message
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="mesa_lite"):  # a transformer's bulk is converted
@@ -546,42 +548,74 @@ def test_a_cnn_wrapped_with_the_default_layers_warns_naming_the_opt_in_kinds(cap
 
 
 _FIRST_WRAP = r"""
-import logging, sys
+import logging, os, sys
 import torch.nn as nn
 import mesa_lite
 
-if sys.argv[1] == "configured":
+setup = sys.argv[1]
+if setup == "configured":
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
+elif setup == "warning-root":
+    logging.basicConfig(format="%(name)s %(levelname)s %(message)s")  # WARNING, the default
+elif setup == "own-handler":  # a handler on mesa_lite's logger, the root left alone
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("own %(levelname)s %(message)s"))
+    logging.getLogger("mesa_lite").addHandler(handler)
+    logging.getLogger("mesa_lite").setLevel(logging.INFO)
+elif setup == "level-warning":
+    logging.getLogger("mesa_lite").setLevel(logging.WARNING)
+elif setup == "disabled":
+    logging.disable(logging.WARNING)
 vit = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
 cnn = nn.Sequential(nn.Conv2d(3, 64, 3), nn.BatchNorm2d(64), nn.ReLU(), nn.Flatten(),
                     nn.Linear(64, 2))
 mesa_lite.wrap(vit)
 mesa_lite.wrap(cnn)
-logging.getLogger("mesa_lite").info("end")
+print("end", file=sys.stderr)
 """
 
+# setup -> (prefix of the ViT's INFO line or None, prefix of the CNN's WARNING line or None)
+_SETUPS = {
+    "unconfigured": ("mesa_lite.wrap: ", "mesa_lite.wrap: "),
+    "configured": ("mesa_lite INFO mesa_lite.wrap: ", "mesa_lite WARNING mesa_lite.wrap: "),
+    "warning-root": (None, "mesa_lite WARNING mesa_lite.wrap: "),
+    "own-handler": ("own INFO mesa_lite.wrap: ", "own WARNING mesa_lite.wrap: "),
+    "level-warning": (None, "mesa_lite.wrap: "),
+    "disabled": (None, None),
+    "rank-1": (None, None),
+}
 
-@pytest.mark.parametrize("logging_set_up", ["unconfigured", "configured"])
-def test_first_wrap_prints_one_line_each(logging_set_up, tmp_path):
+
+@pytest.mark.parametrize("setup", list(_SETUPS))
+def test_first_wrap_prints_one_line_each(setup, tmp_path):
     """A new user's wrap says what it did without any logging set-up (one line a model on
-    stderr, the CNN's a warning naming the option for its convolutions); with logging
-    configured the line goes through the program's handlers, once."""
+    stderr, the CNN's a warning naming the option for its convolutions); once logging is
+    configured the line is a record like any library's: the program's levels and handlers
+    decide, each line once; the logger's own level, logging.disable and a rank other than 0
+    (torchrun) hold it back."""
+    import os
     import subprocess
     import sys
 
     script = tmp_path / "first_wrap.py"
     script.write_text(_FIRST_WRAP)
-    run = subprocess.run([sys.executable, str(script), logging_set_up], capture_output=True,
-                         text=True, timeout=300, check=True)  # fmt: skip
-    lines = [line for line in run.stderr.splitlines() if "mesa_lite" in line or "end" in line]
-    assert len(lines) == 3, run.stderr
-    assert "converted 4 modules of Sequential" in lines[0]
-    assert "converted 1 module of Sequential" in lines[1]
-    assert "OPT_IN_KINDS" in lines[1] and "left plain 3 modules" in lines[1]
-    if logging_set_up == "configured":
-        assert lines[0].startswith("mesa_lite INFO ") and lines[1].startswith("mesa_lite WARNING ")
-    else:
-        assert lines[0].startswith("mesa_lite.wrap: ") and lines[2] == "end"
+    env = {**os.environ, "RANK": "1" if setup == "rank-1" else "0"}
+    run = subprocess.run([sys.executable, str(script), setup], capture_output=True,
+                         text=True, timeout=300, check=True, env=env)  # fmt: skip
+    lines = [line for line in run.stderr.splitlines() if "mesa_lite.wrap" in line or line == "end"]
+    vit, cnn = _SETUPS[setup]
+    want = [p for p in (vit, cnn) if p is not None]
+    assert len(lines) == len(want) + 1 and lines[-1] == "end", run.stderr
+    for line, prefix in zip(lines, want, strict=False):
+        assert line.startswith(prefix), (line, prefix)
+    if vit is not None:
+        assert "converted 4 modules of Sequential" in lines[0]
+    if cnn is not None:
+        assert "converted 1 module of Sequential" in lines[len(want) - 1]
+        assert (
+            "OPT_IN_KINDS" in lines[len(want) - 1]
+            and "left plain 3 modules" in lines[len(want) - 1]
+        )
 
 
 _REAL_MODELS = r"""

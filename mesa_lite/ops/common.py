@@ -330,24 +330,28 @@ def cpu_has_native_bf16() -> bool:
     return False
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
 def check_cpu_bf16(x: torch.Tensor) -> None:
-    """Warns once when a compressed op runs in bf16 on a CPU that emulates it (under CPU
-    autocast to bf16, or on a bf16 input): training is then many times slower than in fp32,
-    plain or wrapped alike."""
-    if "cpu-bf16" in _WARNED or x.device.type != "cpu" or torch.compiler.is_compiling():
+    """Warns once when a compressed op runs in bf16 or fp16 on a CPU without native bf16
+    (under CPU autocast to either, or on such an input): torch emulates both there, and
+    training is many times slower than in fp32, plain or wrapped alike. Nothing is read
+    while torch.compile traces (a guard on the warned set would recompile every graph after
+    any warning), so a compiled model is not checked."""
+    if torch.compiler.is_compiling() or x.device.type != "cpu" or "cpu-bf16" in _WARNED:
         return
-    bf16 = torch.bfloat16
-    if not (x.dtype == bf16 or (torch.is_autocast_enabled("cpu")
-                                and torch.get_autocast_dtype("cpu") == bf16)):  # fmt: skip
+    if not (x.dtype in _HALF or (torch.is_autocast_enabled("cpu")
+                                 and torch.get_autocast_dtype("cpu") in _HALF)):  # fmt: skip
         return
     if cpu_has_native_bf16():
         _WARNED.add("cpu-bf16")  # nothing to say on this CPU
         return
     warn_once(
         "cpu-bf16",
-        "mesa_lite: training in bf16 on a CPU without native bf16 (no AVX512-BF16, AMX or Arm "
-        "BF16): torch emulates it, many times slower than fp32 (a 1024^3 matmul 100x), plain "
-        "or wrapped; train in fp32 on this CPU",
+        "mesa_lite: training in bf16/fp16 on a CPU without native bf16 (no AVX512-BF16, AMX "
+        "or Arm BF16): torch emulates it, many times slower than fp32 (a 512^3 matmul 100x), "
+        "plain or wrapped; train in fp32 on this CPU",
     )
 
 

@@ -91,7 +91,9 @@ def test_mesa_lite_compile_in_the_trainer(plain_run, tmp_path):
     assert not mesa_lite.wrapped_modules(again)
     for n, p in again.named_parameters():
         assert torch.equal(p, dict(model.named_parameters())[n]), n
-    with pytest.raises(TypeError, match="in_place=True compiles a module's calls; got builtin_function"):
+    with pytest.raises(
+        TypeError, match="in_place=True compiles a module's calls; got builtin_function"
+    ):
         mesa_lite.compile(len, in_place=True)
 
 
