@@ -22,7 +22,8 @@ come before the path to ``train.py``; everything after the path is ``train.py``'
   ``--resume`` and ``--initial-checkpoint`` work as usual.
 - ``--torchcompile`` compiles the wrapped model through ``mesa_lite.compile`` (the launcher
   routes ``torch.compile`` of a model holding mesa_lite layers there while train.py runs:
-  plain ``torch.compile`` keeps about 2x the activation memory, ``mesa_lite.compiling``);
+  on DeiT-S plain ``torch.compile`` saved 1.43x against compiled plain, ``mesa_lite.compile``
+  2.79x, ``mesa_lite.compiling``);
   ``--torchscript`` cannot script mesa_lite's layers and is refused before training starts.
 - ``--mesa-checkpoint blocks`` (compressed checkpointing, ``Config(checkpoint=...)``)
   replaces train.py's ``--grad-checkpointing``; both at once are refused before training.
