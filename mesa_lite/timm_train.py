@@ -26,7 +26,8 @@ come before the path to ``train.py``; everything after the path is ``train.py``'
   2.79x, ``mesa_lite.compiling``);
   ``--torchscript`` cannot script mesa_lite's layers and is refused before training starts.
 - ``--mesa-checkpoint blocks`` (compressed checkpointing, ``Config(checkpoint=...)``)
-  replaces train.py's ``--grad-checkpointing``; both at once are refused before training.
+  replaces train.py's ``--grad-checkpointing``; both at once are refused before training
+  (set in a YAML ``-c`` file instead, the first training step raises, naming the flag).
 - ``--mesa-config FILE`` wraps with the ``Config`` keyword arguments a JSON file holds, e.g.
   a plan's (``mesa_lite.planner``: ``json.dump(plan.config_kwargs(), f)``).
 """

@@ -356,7 +356,8 @@ def wrap(
     converted by ``wrap``) keep their own setting.
 
     Logs one summary line through ``logging.getLogger("mesa_lite")`` (INFO, or WARNING when a
-    supported-looking module was skipped for a reason other than ``config``/``filter_fn``),
+    supported-looking module was skipped for a reason other than ``config``/``filter_fn``, or
+    when opt-in kinds the config leaves out hold most of the parameters),
     e.g. ``mesa_lite.wrap: converted 5 modules of Net (linear 3, layernorm 1, gelu 1) at
     int8 g128 nearest; skipped 2: LayerNorm2d x2 (subclass of LayerNorm with its own
     forward)``, printed on stderr unless logging is configured (this module's docstring).

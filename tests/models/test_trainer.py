@@ -17,6 +17,9 @@ pytest.importorskip("accelerate")  # the Trainer's own dependency
 tf.logging.set_verbosity_error()
 
 STEPS, BATCH, SEQ = 2, 2, 32
+# the Trainer's checkpointing argument by the installed name (5.23 renamed it)
+_NEW = "activation_checkpointing" in tf.TrainingArguments.__dataclass_fields__
+_HF_CKPT = {"activation_checkpointing" if _NEW else "gradient_checkpointing": True}
 
 
 def _plain():
@@ -98,14 +101,15 @@ def test_mesa_lite_compile_in_the_trainer(plain_run, tmp_path):
 
 
 def test_trainer_gradient_checkpointing(plain_run, tmp_path):
-    """``gradient_checkpointing=True`` composes with the default wrap; with mesa_lite's own
+    """The Trainer's checkpointing (``activation_checkpointing=True``, before 5.23
+    ``gradient_checkpointing=True``) composes with the default wrap; with mesa_lite's own
     checkpointing (``Config(checkpoint=...)``) the first step refuses both, naming the flag."""
     start, plain_moves = plain_run
     model = mesa_lite.wrap(_plain(), Config(debug_exact=True))
-    _train(model, tmp_path / "hf", gradient_checkpointing=True)
+    _train(model, tmp_path / "hf", **_HF_CKPT)
     moves = _moved(model, start)
     for n, ref in plain_moves.items():
         assert torch.allclose(moves[n], ref, rtol=0, atol=1e-6), n
     model = mesa_lite.wrap(_plain(), Config(checkpoint="blocks"))
     with pytest.raises(ValueError, match=r"gradient_checkpointing is on.*would run each"):
-        _train(copy.deepcopy(model), tmp_path / "both", gradient_checkpointing=True)
+        _train(copy.deepcopy(model), tmp_path / "both", **_HF_CKPT)
