@@ -4,6 +4,14 @@ importing it costs nothing, so ``--help`` answers at once)."""
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+
+
+def print_rank0(line: str) -> None:
+    """``line`` on stderr, once per run: only on rank 0 under torchrun (``RANK``)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
 
 
 def _shown(default) -> str:

@@ -783,6 +783,13 @@ def apply(
         module.__dict__["_mesa_ckpt_others"] = _others(model, name, module)
 
 
+def checkpointed(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of each module of ``model`` that mesa_lite checkpoints (``apply``;
+    ``report.plain_model`` turns them off for a while by clearing their setting)."""
+    return [(n, m) for n, m in model.named_modules()
+            if m.__dict__.get("_mesa_ckpt_spec") is not None]  # fmt: skip
+
+
 def remove(model: nn.Module) -> int:
     """Takes ``Checkpointed`` off every module of ``model``; returns how many."""
     n = 0

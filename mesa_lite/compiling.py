@@ -82,7 +82,9 @@ def _refuse_fullgraph_checkpointing(model) -> None:
 
     if not isinstance(model, torch.nn.Module):
         return
-    names = [n for n, m in model.named_modules() if "_mesa_ckpt_spec" in m.__dict__]
+    from mesa_lite.checkpoint import checkpointed
+
+    names = [n for n, _ in checkpointed(model)]
     if names:
         raise ValueError(
             f"mesa_lite.compile: fullgraph=True cannot trace mesa_lite's activation "

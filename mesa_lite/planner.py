@@ -570,9 +570,8 @@ def choose(m: Measurements, budget: int | float, base: Config | None = None) -> 
     if found is not None and "plain" in m.costs:
         # where plain on every block fits, it is the plan: no policy does less work than
         # plain, so one that timed faster timed in noise (a loaded machine)
-        plain = ("plain",) * len(m.blocks)
-        if sum(_peak_terms(m, plain).values()) <= budget:
-            found = (sum(c.seconds for c in m.costs["plain"]), plain)
+        if plain_peak(m) <= budget:
+            found = (sum(c.seconds for c in m.costs["plain"]), ("plain",) * len(m.blocks))
     if found is None:
         floor = smallest_budget(m)
         raise PlanError(

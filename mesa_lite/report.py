@@ -170,11 +170,11 @@ def plain_model(model: nn.Module) -> Iterator[nn.Module]:
     """Runs ``model`` as the unwrapped model would run inside the block: every mesa_lite
     module as plain torch, checkpointing by ``Config(checkpoint=...)`` or a plan off (fused
     blocks then run their own forward, as their layers' settings are gone)."""
-    from mesa_lite.modules import MesaModule  # report depends on nothing else of mesa_lite
+    from mesa_lite.checkpoint import checkpointed  # imported when used, as the modules are
+    from mesa_lite.modules import MesaModule
 
     saved = {m: m.mesa_spec for m in model.modules() if isinstance(m, MesaModule)}
-    ckpt = {m: m.__dict__["_mesa_ckpt_spec"] for m in model.modules()
-            if m.__dict__.get("_mesa_ckpt_spec") is not None}  # fmt: skip
+    ckpt = {m: m.__dict__["_mesa_ckpt_spec"] for _, m in checkpointed(model)}
     try:
         for m in saved:
             m.mesa_spec = None
@@ -353,13 +353,12 @@ def memory_report(
         UserWarning: the model has no mesa_lite module (call ``mesa_lite.wrap`` first): both
         forwards are then plain and every reduction is 1.
     """
+    from mesa_lite.checkpoint import checkpointed, inside
     from mesa_lite.modules import MesaModule
 
-    def converted(m: nn.Module) -> bool:
-        return (isinstance(m, MesaModule) and m.mesa_spec is not None) or \
-            m.__dict__.get("_mesa_ckpt_spec") is not None  # fmt: skip
-
-    if not any(converted(m) for m in model.modules()):
+    units = [n for n, _ in checkpointed(model)]
+    if not units and not any(isinstance(m, MesaModule) and m.mesa_spec is not None
+                             for m in model.modules()):  # fmt: skip
         warnings.warn(
             f"mesa_lite.memory_report: {type(model).__name__} has no mesa_lite modules, so "
             "its compressed and plain columns are the same; wrap it first "
@@ -383,12 +382,10 @@ def memory_report(
     kinds = {n: type(m).__name__ for n, m in model.named_modules()}
     # a module checkpointed by mesa_lite keeps only its input copy, on its own row: the bytes
     # its layers keep in the plain forward are counted on that row too (one row per unit)
-    units = [n for n, m in model.named_modules() if m.__dict__.get("_mesa_ckpt_spec") is not None]
     for table in (plain, comp):
         for unit in units:
-            inside = [n for n in table if n != unit and (unit == "" or n.startswith(unit + "."))]
             row = table.setdefault(unit, [0, 0])
-            for n in inside:
+            for n in [n for n in table if inside(n, [unit])]:
                 row[0] += table[n][0]
                 row[1] += table[n][1]
                 del table[n]

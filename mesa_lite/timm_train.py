@@ -45,7 +45,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 # Light on purpose (no torch, no timm): --help and bad options answer at once.
-from mesa_lite._cli import HelpFormatter
+from mesa_lite._cli import HelpFormatter, print_rank0
 from mesa_lite.config import CHECKPOINT_MODES, LAYER_KINDS, ROUNDINGS, SUPPORTED_BITS, Config
 
 __all__ = ["main", "parse_args", "install_hook"]
@@ -245,9 +245,7 @@ def _describe(config: Config) -> str:
 
 
 def _say(msg: str) -> None:
-    # One line per run, not one per process under torchrun.
-    if os.environ.get("RANK", "0") == "0":
-        print(f"mesa_lite.timm_train: {msg}", file=sys.stderr, flush=True)
+    print_rank0(f"mesa_lite.timm_train: {msg}")
 
 
 def install_hook(config: Config) -> Callable[[], None]:

@@ -24,8 +24,6 @@ import contextlib
 import dataclasses
 import fnmatch
 import logging
-import os
-import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -34,6 +32,7 @@ import torch.nn as nn
 
 from mesa_lite import checkpoint as _ckpt
 from mesa_lite import recognize
+from mesa_lite._cli import print_rank0
 from mesa_lite.config import CHECKPOINT_INNER, LAYER_KINDS, OPT_IN_KINDS, Config, QuantSpec
 from mesa_lite.modules import (
     GELU,
@@ -83,8 +82,7 @@ def _say(level: int, line: str) -> None:
     if logging.getLogger().handlers or logger.handlers:
         logger.log(level, line)
     elif level >= (logger.level or logging.INFO) and level > logging.root.manager.disable:
-        if os.environ.get("RANK", "0") == "0":
-            print(line, file=sys.stderr, flush=True)
+        print_rank0(line)
 
 
 @dataclasses.dataclass(frozen=True)
