@@ -75,6 +75,7 @@ setup(
                     "peak_memory",
                     "profile_step",
                     "quant_bandwidth",
+                    "quant_tuning",
                     "text_accuracy",
                     "train_deit",
                 )

@@ -18,7 +18,7 @@ from benchmarks import common
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ["ablate", "accuracy", "budget", "compile_check", "compile_speed", "coverage", "deit_memory", "grad_fidelity", "kernels",
-           "llm_memory", "overhead", "peak_memory", "profile_step", "quant_bandwidth",
+           "llm_memory", "overhead", "peak_memory", "profile_step", "quant_bandwidth", "quant_tuning",
            "text_accuracy", "train_deit"]  # fmt: skip
 # console script -> the module:function setup.py points it at
 ENTRY_POINTS = {
