@@ -4,8 +4,9 @@ For each tensor size, times the copy (``x.clone()``) and the group-quantization 
 each (ROWS, num_warps) given, 8 and 4 bits, fp16 input, groups of 128, as one median of
 CUDA-event timings per cell (the kernels alone: codes and scales are allocated once, outside
 the timing). Also times two twin 8-bit quantize kernels that differ in one line, the
-per-element ``x / scale`` (IEEE division, as the shipped kernel) against ``x * (1 / scale)``,
-to tell whether the kernel is bound by arithmetic or by memory. Bytes counted as
+per-element ``x / scale`` (IEEE division, the quantizer's step before 2026-12-04) against
+``x * (1 / scale)`` (its step since), to tell whether the kernel is bound by arithmetic or by
+memory. Bytes counted as
 quant_bandwidth.py: input + codes + scales. Writes PREFIX.jsonl and PREFIX.md (a fresh runs/
 folder unless --out names a prefix).
 
@@ -82,7 +83,7 @@ def _quantize_launch(x, codes, scales, bits, rows, warps):
     pb = gq.per_byte(bits)
     return lambda: gq._quantize_kernel[((ng + rows - 1) // rows,)](
         x, codes, scales, x, x, n, ng, g, 1, 0, qmin, qmax, bits, pb, False, False, False,
-        bits == 8, rows, 128, 128 // pb, num_warps=warps,
+        True, not gq.INTERPRETING, rows, 128, 128 // pb, num_warps=warps,
     )  # fmt: skip
 
 
@@ -96,6 +97,29 @@ def _dequantize_launch(codes, scales, out, bits, rows, warps):
     )  # fmt: skip
 
 
+def _launch_shapes(x, scales, bits: int, configs, add) -> None:
+    """Times quantize and dequantize at each launch shape, each output checked against the
+    references (torch ops), bit for bit."""
+    n = x.numel()
+    ref_codes, ref_scales = gq.quantize_ref(x, 128, bits=bits)
+    ref_out = gq.dequantize_ref(ref_codes, ref_scales, 128, x.dtype, bits, True, n)
+    codes, out = torch.empty_like(ref_codes), torch.empty_like(x)
+
+    def quantized() -> bool:
+        return torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)
+
+    def dequantized() -> bool:
+        return torch.equal(out, ref_out)
+
+    for rows, warps in configs:
+        add("quantize", bits, rows, warps,
+            _quantize_launch(x, codes, scales, bits, rows, warps), quantized)  # fmt: skip
+    for rows, warps in configs:
+        add("dequantize", bits, rows, warps,
+            _dequantize_launch(ref_codes, ref_scales, out, bits, rows, warps),
+            dequantized)  # fmt: skip
+
+
 def _measure(n: int, configs: list[tuple[int, int]]) -> list[dict]:
     x = torch.randn(n, device="cuda", dtype=torch.float16)
     ng = n // 128
@@ -104,24 +128,16 @@ def _measure(n: int, configs: list[tuple[int, int]]) -> list[dict]:
     copy_gbs = 4 * n / copy_ms / 1e6
     rows_out = []
 
-    def add(kernel, bits, rows, warps, fn):
+    def add(kernel, bits, rows, warps, fn, check=None):
         ms = cuda_median_ms(fn)
         moved = 2 * n + n * bits // 8 + ng * 4
         rows_out.append({"elements": n, "kernel": kernel, "bits": bits, "rows": rows,
                          "num_warps": warps, "ms": ms, "gbs": moved / ms / 1e6,
-                         "copy_gbs": copy_gbs, "vs_copy": moved / ms / 1e6 / copy_gbs})  # fmt: skip
+                         "copy_gbs": copy_gbs, "vs_copy": moved / ms / 1e6 / copy_gbs,
+                         "exact": None if check is None else check()})  # fmt: skip
 
-    out = torch.empty_like(x)
     for bits in (8, 4):
-        codes = torch.empty(n * bits // 8, device="cuda",
-                            dtype=torch.int8 if bits == 8 else torch.uint8)  # fmt: skip
-        for rows, warps in configs:
-            add(
-                "quantize", bits, rows, warps, _quantize_launch(x, codes, scales, bits, rows, warps)
-            )
-        for rows, warps in configs:
-            add("dequantize", bits, rows, warps,
-                _dequantize_launch(codes, scales, out, bits, rows, warps))  # fmt: skip
+        _launch_shapes(x, scales, bits, configs, add)
     codes = torch.empty(n, device="cuda", dtype=torch.int8)
     twin = _twins()
     for mul in (False, True):
@@ -167,11 +183,11 @@ def run(argv=None) -> list[dict]:
     cols = [("elements", "elements", ","), ("kernel", "kernel", "s"), ("bits", "bits", "d"),
             ("rows", "ROWS", "d"), ("num_warps", "num_warps", "d"), ("ms", "ms", ".3f"),
             ("gbs", "GB/s", ".0f"), ("copy_gbs", "copy GB/s", ".0f"),
-            ("vs_copy", "vs copy", ".0%")]  # fmt: skip
+            ("vs_copy", "vs copy", ".0%"), ("exact", "equals the reference", "")]  # fmt: skip
     head = (
         f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}, fp16 "
-        "input, groups of 128; the shipped launch shape is ROWS 32 at Triton's default "
-        "num_warps 4.\n\n"
+        'input, groups of 128. "equals the reference": the launch\'s codes and scales (its '
+        "output, for dequantize) equal quantize_ref's (dequantize_ref's) bit for bit.\n\n"
     )
     Outputs(args.out, "quant_tuning").write_report(rows, head + markdown_table(rows, cols) + "\n")
     return rows

@@ -3,7 +3,8 @@
 # Run from the repository root on a GPU machine; writes logs and results under $OUT (default
 # ./out, a fixed folder: the GPU results committed in benchmarks/results/ were copied from it).
 #   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|main|coverage|speed-compiled|
-#     speed-compiled-options|speed-compiled-others|speed-eager|speed-tests|cnn|llm|text|dist|all]
+#     speed-compiled-options|speed-compiled-others|speed-eager|speed-tests|kernel-bw|kernel-tests|
+#     compile-check|llm-compiled|cnn|llm|text|dist|all]
 #   [extra deit_memory args...]
 # suite: the whole test suite (CPU and CUDA parametrizations), in parallel processes.
 # main: the Quickstart's main job as a new user runs it (python benchmarks/deit_memory.py, its
@@ -82,6 +83,34 @@ if [[ $what == speed-eager ]]; then
   python3 benchmarks/overhead.py --dtype fp16 --out "$OUT/overhead_gpu" 2>&1 | tail -n 11
   python3 benchmarks/kernels.py --out "$OUT/kernels_gpu" 2>&1 | tail -n 40
   rm -f "$OUT/gpu.txt" "$OUT/overhead_gpu.jsonl"  # eight files come back
+fi
+if [[ $what == kernel-bw ]]; then
+  # issue 40: the quantize/dequantize kernels against the copy bandwidth, alone on the GPU
+  # (before any test or compile starts): the raw kernels at each launch shape (ResNet-50 and
+  # DeiT-B sizes, 8 and 4 bits), the published per-size table, and every kernel on DeiT shapes
+  # (the shipped shapes: 32 groups a program and 4 warps at 8 bits; 8 groups, 1 warp to
+  # quantize and 2 to dequantize below)
+  python3 benchmarks/quant_tuning.py --rows 8 32 --warps 1 2 4 --out "$OUT/quant_tuning_after_gpu" \
+    > /dev/null 2>&1
+  grep -E "^\| [0-9,]+ \| (quantize \| 8 \| 32 \| 4|dequantize \| 8 \| 32 \| 4|quantize \| 4 \| 8 \| 1|dequantize \| 4 \| 8 \| 2) \|" \
+    "$OUT/quant_tuning_after_gpu.md"
+  python3 benchmarks/quant_bandwidth.py --out "$OUT/quant_bandwidth_gpu" 2>&1 | tail -n 5
+  python3 benchmarks/kernels.py --out "$OUT/kernels_gpu" 2>&1 | grep -E "^\| deit_base"
+fi
+if [[ $what == kernel-tests ]]; then
+  # the kernel tests on CUDA (compiled kernels against their references), four processes
+  groups=("-k float32" "-k 'float16 and not bfloat16'" "-k bfloat16"
+          "-k 'not float32 and not float16'")
+  i=0
+  for g in "${groups[@]}"; do
+    eval "timeout 420 python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/kernels $g" \
+      > "$OUT/kernel_tests_$i.txt" 2>&1 &
+    i=$((i + 1))
+  done
+  wait
+  for f in "$OUT"/kernel_tests_*.txt; do echo "$(tail -n 1 "$f")"; done | tee "$OUT/kernel_cuda_tests_h200.txt"
+  grep -h "^FAILED" "$OUT"/kernel_tests_*.txt | head -n 20 | tee -a "$OUT/kernel_cuda_tests_h200.txt"
+  rm -f "$OUT"/kernel_tests_[0-9].txt
 fi
 if [[ $what == speed-tests ]]; then
   # the fused kernels, the direct launcher and the compiled paths on CUDA (after the

@@ -22,11 +22,16 @@ get code +-qmax and dequantize to +-inf, the finite ones get code 0 and dequanti
 whose absmax is a denormal below ``qmax * 2**-149`` (about 1.8e-43 for 8-bit signed): its scale
 underflows to 0, so such values flush to zero. (Unsigned codes of -inf clamp to 0: NaN.)
 
-Bit-exactness between kernel and reference: both compute ``scale = absmax / qmax`` and
-``x / scale`` with IEEE round-to-nearest division (``tl.math.div_rn``; a tensor-by-tensor
-division in torch), and round half to even, so codes and scales match bit for bit with nearest
-rounding. Stochastic rounding (``floor(y + u)``, u uniform in [0, 1)) draws ``u`` from Philox in
-the kernel and from ``torch.rand`` on a local generator in the reference: both are unbiased,
+Bit-exactness between kernel and reference: both compute ``scale = absmax / qmax`` and, once
+per group, ``inv = 1 / (scale * p)`` with IEEE round-to-nearest division (``tl.math.div_rn``; a
+tensor-by-tensor division in torch), then ``y = (x * p) * inv`` with one rounded multiply
+(``libdevice.mul_rn``, never fused into an FMA) and round half to even, so codes and scales
+match bit for bit with nearest rounding. ``p`` is 2**64 where the scale is below 2**-64, else 1:
+it keeps ``inv`` finite for the tiniest scales and ``x * p`` is exact. ``y`` is ``x / scale``
+up to two roundings (|error| <= 2**-23 |y|, under 1.6e-5 of a step at 8 bits): a per-element
+division costs about a third of the kernel's bandwidth (benchmarks/quant_tuning.py).
+Stochastic rounding (``floor(y + u)``, u uniform in [0, 1)) draws ``u`` from Philox in the
+kernel and from ``torch.rand`` on a local generator in the reference: both are unbiased,
 they are not equal.
 
 Stochastic rounding's seed (``next_rounding_seed``) never draws from torch's generators: a
@@ -230,11 +235,25 @@ if HAS_TRITON:
         return _scale_of(amax_bits, QMAX)
 
     @triton.jit
-    def _codes(x, finite, safe, offs, seed, QMIN: tl.constexpr, QMAX: tl.constexpr,
-               STOCHASTIC: tl.constexpr, POSITIVE: tl.constexpr = False):  # fmt: skip
-        """Codes of a [ROWS, B] tile of fp32 values; finite/safe are [ROWS, 1]. ``POSITIVE``
-        (unsigned codes): code 0 exactly where ``x <= 0``, at least 1 elsewhere (NaN too)."""
-        y = tl.math.div_rn(x, tl.broadcast_to(safe, x.shape))
+    def _inverse(scale):
+        """Per row of scales: whether the scale is finite and non-zero, the prescale (2**64
+        below 2**-64, else 1) and ``1 / (scale * prescale)`` (IEEE division, once per group;
+        1 where the scale is not finite), each [ROWS, 1]."""
+        finite = (scale > 0.0) & (scale < float("inf"))  # False for NaN, inf, 0
+        pre = tl.where(scale < 5.421010862427522e-20, 18446744073709551616.0, 1.0)
+        safe = tl.where(finite, scale * pre, 1.0)
+        inv = tl.math.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe)
+        return finite[:, None], pre[:, None], inv[:, None]
+
+    @triton.jit
+    def _codes(x, finite, pre, inv, offs, seed, QMIN: tl.constexpr, QMAX: tl.constexpr,
+               STOCHASTIC: tl.constexpr, POSITIVE: tl.constexpr, RN: tl.constexpr):  # fmt: skip
+        """Codes of a [ROWS, B] tile of fp32 values; finite/pre/inv (``_inverse``) are
+        [ROWS, 1]. ``POSITIVE`` (unsigned codes): code 0 exactly where ``x <= 0``, at least 1
+        elsewhere (NaN too). ``RN``: the product as an explicit round-to-nearest multiply,
+        which the compiler never fuses into the rounding's add (the interpreter has none)."""
+        xp = x * pre  # exact: a power of two, and |x| <= QMAX * scale
+        y = libdevice.mul_rn(xp, tl.broadcast_to(inv, x.shape)) if RN else xp * inv
         special = tl.where(x == float("inf"), QMAX, tl.where(x == float("-inf"), -QMAX, 0.0))
         y = tl.where(finite, y, special)
         if STOCHASTIC:
@@ -245,6 +264,36 @@ if HAS_TRITON:
         if POSITIVE:
             q = tl.where(x <= 0.0, 0.0, tl.maximum(q, 1.0))
         return q
+
+    @triton.jit
+    def _pack(stored, ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
+              PER_BYTE: tl.constexpr):  # fmt: skip
+        """A [ROWS, BLOCK] tile of stored codes (``code - qmin``, int32) packed PER_BYTE to a
+        byte, low bits first: [ROWS, BLOCK // PER_BYTE] int32 (a register reshape of the
+        contiguous tile, so the loads stay contiguous)."""
+        if PER_BYTE == 2:
+            e0, e1 = tl.split(tl.reshape(stored, [ROWS, BLOCK // 2, 2]))
+            return e0 | (e1 << BITS)
+        else:  # 4: element j of a byte at [..., j // 2, j % 2]
+            a, b = tl.split(tl.reshape(stored, [ROWS, BLOCK // 4, 2, 2]))
+            e0, e2 = tl.split(a)
+            e1, e3 = tl.split(b)
+            return e0 | (e1 << BITS) | (e2 << (2 * BITS)) | (e3 << (3 * BITS))
+
+    @triton.jit
+    def _unpack(byte, ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                PER_BYTE: tl.constexpr):  # fmt: skip
+        """The inverse of _pack: [ROWS, BLOCK // PER_BYTE] int32 bytes to the [ROWS, BLOCK]
+        stored codes in element order."""
+        m = (1 << BITS) - 1
+        if PER_BYTE == 2:
+            q = tl.join(byte & m, (byte >> BITS) & m)
+        else:
+            q = tl.join(
+                tl.join(byte & m, (byte >> (2 * BITS)) & m),
+                tl.join((byte >> BITS) & m, (byte >> (3 * BITS)) & m),
+            )
+        return tl.reshape(q, [ROWS, BLOCK])
 
     @triton.jit
     def _quantize_kernel(
@@ -265,7 +314,8 @@ if HAS_TRITON:
         STOCHASTIC: tl.constexpr,
         NORM: tl.constexpr,  # quantize (x - mean[row]) * rstd[row] in fp32
         POSITIVE: tl.constexpr,  # code 0 exactly where x <= 0 (see _codes)
-        ONE_PASS: tl.constexpr,  # 8 bits and group_size <= BLOCK: one load per element
+        ONE_PASS: tl.constexpr,  # group_size <= BLOCK: one load per element
+        RN: tl.constexpr,  # compiled: explicit round-to-nearest multiply (see _codes)
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
         BLOCK_B: tl.constexpr,  # BLOCK // PER_BYTE
@@ -281,44 +331,52 @@ if HAS_TRITON:
             x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
             scale = _scale_of(_absmax_bits(x), QMAX)
             tl.store(scales_ptr + rows, scale, mask=row_ok)
-            finite = ((scale > 0.0) & (scale < float("inf")))[:, None]
-            safe = tl.where(finite, scale[:, None], 1.0)
-            q = _codes(x, finite, safe, offs, seed, QMIN, QMAX, STOCHASTIC, POSITIVE)
-            tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
-            return
-        # one pass for the scales, one for the codes
-        scale = _group_scales(
-            x_ptr, mean_ptr, rstd_ptr, n, base, row_ok, group_size, row_len,
-            QMAX, NORM, ROWS, BLOCK,
-        )  # fmt: skip
-        tl.store(scales_ptr + rows, scale, mask=row_ok)
-        finite = ((scale > 0.0) & (scale < float("inf")))[:, None]  # False for NaN, inf, 0
-        safe = tl.where(finite, scale[:, None], 1.0)
-        if BITS == 8:
-            cols = tl.arange(0, BLOCK)
-            for start in range(0, group_size, BLOCK):
-                c = start + cols
-                offs = base[:, None] + c[None, :]
-                mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
-                x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
-                q = _codes(x, finite, safe, offs, seed, QMIN, QMAX, STOCHASTIC, POSITIVE)
+            finite, pre, inv = _inverse(scale)
+            q = _codes(x, finite, pre, inv, offs, seed, QMIN, QMAX, STOCHASTIC, POSITIVE, RN)
+            if BITS == 8:
                 tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
-        else:
-            # Tile over bytes; lane j of each byte holds element byte * PER_BYTE + j.
-            bcols = tl.arange(0, BLOCK_B)
-            for start in range(0, group_size // PER_BYTE, BLOCK_B):
-                b = start + bcols
+            else:
+                packed = _pack(tl.where(mask, (q - QMIN).to(tl.int32), 0), ROWS, BLOCK, BITS,
+                               PER_BYTE)  # fmt: skip
+                b = tl.arange(0, BLOCK_B)
                 first = base[:, None] + b[None, :] * PER_BYTE
                 bmask = row_ok[:, None] & (b[None, :] < group_size // PER_BYTE) & (first < n)
-                packed = tl.zeros([ROWS, BLOCK_B], dtype=tl.int32)
-                for j in tl.static_range(PER_BYTE):
-                    offs = first + j
-                    mask = bmask & (offs < n)
-                    x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
-                    q = _codes(x, finite, safe, offs, seed, QMIN, QMAX, STOCHASTIC, POSITIVE)
-                    stored = tl.where(mask, (q - QMIN).to(tl.int32), 0)
-                    packed = packed | (stored << (j * BITS))
                 tl.store(codes_ptr + first // PER_BYTE, packed.to(tl.uint8), mask=bmask)
+        else:
+            # one pass for the scales, one for the codes
+            scale = _group_scales(
+                x_ptr, mean_ptr, rstd_ptr, n, base, row_ok, group_size, row_len,
+                QMAX, NORM, ROWS, BLOCK,
+            )  # fmt: skip
+            tl.store(scales_ptr + rows, scale, mask=row_ok)
+            finite, pre, inv = _inverse(scale)
+            if BITS == 8:
+                cols = tl.arange(0, BLOCK)
+                for start in range(0, group_size, BLOCK):
+                    c = start + cols
+                    offs = base[:, None] + c[None, :]
+                    mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
+                    x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
+                    q = _codes(x, finite, pre, inv, offs, seed, QMIN, QMAX, STOCHASTIC, POSITIVE,
+                               RN)  # fmt: skip
+                    tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
+            else:
+                # Tile over bytes; lane j of each byte holds element byte * PER_BYTE + j.
+                bcols = tl.arange(0, BLOCK_B)
+                for start in range(0, group_size // PER_BYTE, BLOCK_B):
+                    b = start + bcols
+                    first = base[:, None] + b[None, :] * PER_BYTE
+                    bmask = row_ok[:, None] & (b[None, :] < group_size // PER_BYTE) & (first < n)
+                    packed = tl.zeros([ROWS, BLOCK_B], dtype=tl.int32)
+                    for j in tl.static_range(PER_BYTE):
+                        offs = first + j
+                        mask = bmask & (offs < n)
+                        x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
+                        q = _codes(x, finite, pre, inv, offs, seed, QMIN, QMAX, STOCHASTIC,
+                                   POSITIVE, RN)  # fmt: skip
+                        stored = tl.where(mask, (q - QMIN).to(tl.int32), 0)
+                        packed = packed | (stored << (j * BITS))
+                    tl.store(codes_ptr + first // PER_BYTE, packed.to(tl.uint8), mask=bmask)
 
     @triton.jit
     def _bf16_bits_rtne(v):
@@ -394,7 +452,15 @@ if HAS_TRITON:
             c = start + cols
             offs = base[:, None] + c[None, :]
             mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
-            v = dequantize_tile(codes_ptr, offs, mask, s, QMIN, BITS, PER_BYTE)
+            if BITS == 8:
+                v = dequantize_tile(codes_ptr, offs, mask, s, QMIN, BITS, PER_BYTE)
+            else:  # each byte loaded once, unpacked in registers
+                b = start // PER_BYTE + tl.arange(0, BLOCK // PER_BYTE)
+                first = base[:, None] + b[None, :] * PER_BYTE
+                bmask = row_ok[:, None] & (b[None, :] < group_size // PER_BYTE) & (first < n)
+                byte = tl.load(codes_ptr + first // PER_BYTE, mask=bmask, other=0).to(tl.int32)
+                q = _unpack(byte, ROWS, BLOCK, BITS, PER_BYTE) + QMIN
+                v = q.to(tl.float32) * s
             if EPI == 1:  # v * weight[col] + bias[col], each rounded (two fp32 ops, as torch)
                 col = offs % row_len
                 if HAS_P1:
@@ -417,10 +483,12 @@ if HAS_TRITON:
 
 
 @functools.lru_cache(maxsize=64)
-def _launch_shape(group_size: int) -> tuple[int, int]:
-    """(ROWS, BLOCK): BLOCK covers a group up to 1024 elements, ROWS fills ~4096 per program."""
+def _launch_shape(group_size: int, bits: int = 8) -> tuple[int, int]:
+    """(ROWS, BLOCK): BLOCK covers a group up to 1024 elements, ROWS fills ~4096 elements per
+    program at 8 bits and ~1024 below (packed codes: their register reshapes spill at 4096,
+    about a fifth of the bandwidth; benchmarks/results/quant_tuning_shapes_gpu.md)."""
     block = min(triton.next_power_of_2(group_size), 1024)
-    rows = max(1, 4096 // block)
+    rows = max(1, (4096 if bits == 8 else 1024) // block)
     return rows, block
 
 
@@ -483,6 +551,9 @@ def _epilogue_args(epilogue, n: int, dtype: torch.dtype) -> tuple:
 if HAS_TRITON:
     _QUANTIZE = Launcher(_quantize_kernel)
     _DEQUANTIZE = Launcher(_dequantize_kernel)
+    # 4 and 2 bits: fewer warps for the smaller programs (the fastest measured on the H200)
+    _QUANTIZE_PACKED = Launcher(_quantize_kernel, num_warps=1)
+    _DEQUANTIZE_PACKED = Launcher(_dequantize_kernel, num_warps=2)
 
 
 def quantize(
@@ -541,12 +612,12 @@ def quantize(
     qmin, qmax = qrange(signed, bits)
     # The Philox seed: reproducible under torch.manual_seed, no draw from torch's generators.
     seed = next_rounding_seed() if stochastic else 0
-    rows, block = _launch_shape(group_size)
-    _QUANTIZE(
+    rows, block = _launch_shape(group_size, bits)
+    (_QUANTIZE if bits == 8 else _QUANTIZE_PACKED)(
         ((ng + rows - 1) // rows,),  # not triton.cdiv: a constexpr function, ~8 us a call
         x, codes, scales, mean, rstd, n, ng, group_size, row_len, seed,
         qmin, qmax, bits, per_byte(bits), stochastic, normalize is not None, positive,
-        bits == 8 and group_size <= block, rows, block, max(1, block // per_byte(bits)),
+        group_size <= block, not INTERPRETING, rows, block, max(1, block // per_byte(bits)),
     )  # fmt: skip
     return codes, scales
 
@@ -587,8 +658,12 @@ def quantize_ref(
     # Tensor-by-tensor division: CUDA turns division by a Python scalar into a reciprocal multiply.
     scale = amax / torch.full_like(amax, qmax)
     finite = (scale > 0) & (scale < float("inf"))
-    safe = torch.where(finite, scale, 1.0)
-    y = xp / safe[:, None].expand_as(xp)
+    # x * (1 / scale), the kernel's steps: a prescale of 2**64 below 2**-64 keeps 1 / scale
+    # finite (exact: |x| <= qmax * scale), one division per group, one rounded multiply
+    pre = torch.where(scale < 2.0**-64, 2.0**64, 1.0)
+    safe = torch.where(finite, scale * pre, 1.0)
+    inv = torch.ones_like(safe) / safe
+    y = (xp * pre[:, None]) * inv[:, None]
     special = torch.where(xp == float("inf"), float(qmax), 0.0)
     special = torch.where(xp == float("-inf"), float(-qmax), special)
     y = torch.where(finite[:, None], y, special)
@@ -666,8 +741,8 @@ def dequantize(
     p2 = codes if p2 is None else p2.contiguous()
     bf16 = dtype == torch.bfloat16
     ng = n_groups_of(numel, group_size)
-    rows, block = _launch_shape(group_size)
-    _DEQUANTIZE(
+    rows, block = _launch_shape(group_size, bits)
+    (_DEQUANTIZE if bits == 8 else _DEQUANTIZE_PACKED)(
         ((ng + rows - 1) // rows,),  # not triton.cdiv: a constexpr function, ~8 us a call
         codes, scales.contiguous(), out.view(torch.int16) if bf16 else out, p1, p2,
         numel, ng, group_size, row_len,

@@ -62,6 +62,8 @@ class Launcher:
 
     Args:
         fn: the ``@triton.jit`` function.
+        num_warps: warps per program (Triton's default, 4, when None); one Launcher per
+            value, each with its own compiled kernels.
 
     Call ``launcher(grid, *args)`` with every parameter of the kernel in order, constexprs
     included, positionally (as ``fn[grid](*args)`` takes them). Each position keeps the kind
@@ -70,8 +72,9 @@ class Launcher:
 
     direct = True  # class switch: False sends every launch through kernel[grid] (tests, debugging)
 
-    def __init__(self, fn) -> None:
+    def __init__(self, fn, num_warps: int | None = None) -> None:
         self.fn = fn
+        self._options = {} if num_warps is None else {"num_warps": num_warps}
         params = getattr(fn, "params", None)
         self._constexpr = tuple(p.is_constexpr for p in params) if params else None
         self._cache: dict = {}
@@ -120,7 +123,7 @@ class Launcher:
                 run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function,
                     metadata, None, None, None, *args)  # fmt: skip
                 return
-        kernel = self.fn[grid](*args)
+        kernel = self.fn[grid](*args, **self._options)
         if fast and not INTERPRETING and hasattr(kernel, "packed_metadata"):
             run = kernel.run  # first: binds the launcher (and the function handle) now
             self._cache[key] = (run, kernel.function, kernel.packed_metadata)

@@ -79,8 +79,8 @@ def test_nearest_error_within_half_step(use_triton, signed, bits, device, triton
     out = _deq(cs, 128, torch.float32, use_triton, bits, signed, x.numel())
     step = _step(cs, x.numel(), 128)
     err = (out - x.reshape(-1)).abs()
-    # half a step, plus fp32 rounding of x / scale and of code * scale
-    bound = 0.5 * step * (1 + 1e-5) + x.reshape(-1).abs() * 2**-23
+    # half a step, plus the fp32 roundings of x * (1 / scale) (two) and of code * scale (one)
+    bound = 0.5 * step * (1 + 1e-5) + x.reshape(-1).abs() * 2**-22
     worst = (err - bound).argmax()
     assert (err <= bound).all(), f"element {worst}: err {err[worst]} > bound {bound[worst]}"
 
@@ -270,7 +270,7 @@ def test_property_non_finite_preserved_and_error_bound(
     group_ok = torch.isfinite(scales).repeat_interleave(group_size)[: x.numel()]
     step = scales.repeat_interleave(group_size)[: x.numel()]
     err = (out - x).abs()[group_ok]
-    bound = 0.5 * step * (1 + 1e-5) + x.abs() * 2**-23
+    bound = 0.5 * step * (1 + 1e-5) + x.abs() * 2**-22  # as test_nearest_error_within_half_step
     # a group of tiny denormals whose scale underflows to 0 flushes to zero (documented)
     qmax = gq.qrange(signed, bits)[1]
     # a denormal scale is rounded to a multiple of 2**-149 (up to 2**-150 off), which moves
