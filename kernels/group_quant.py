@@ -26,10 +26,13 @@ Bit-exactness between kernel and reference: both compute ``scale = absmax / qmax
 per group, ``inv = 1 / (scale * p)`` with IEEE round-to-nearest division (``tl.math.div_rn``; a
 tensor-by-tensor division in torch), then ``y = (x * p) * inv`` with one rounded multiply
 (``libdevice.mul_rn``, never fused into an FMA) and round half to even, so codes and scales
-match bit for bit with nearest rounding. ``p`` is 2**64 where the scale is below 2**-64, else 1:
-it keeps ``inv`` finite for the tiniest scales and ``x * p`` is exact. ``y`` is ``x / scale``
-up to two roundings (|error| <= 2**-23 |y|, under 1.6e-5 of a step at 8 bits): a per-element
-division costs about a third of the kernel's bandwidth (benchmarks/quant_tuning.py).
+match bit for bit with nearest rounding. ``p`` is 2**64 where the scale is below 2**-64,
+2**-64 where it is 2**64 or more, else 1: it keeps ``inv`` a normal float (finite for the
+tiniest scales, and not a subnormal that the compiled multiply would flush to zero for the
+largest), and ``x * p`` is exact wherever it can move a code (an element it takes below
+2**-126 has ``|x / scale| < 2**-126`` and code 0 either way). ``y`` is ``x / scale`` up to two
+roundings (|error| <= 2**-23 |y|, under 1.6e-5 of a step at 8 bits): a per-element division
+costs about a third of the kernel's bandwidth (benchmarks/quant_tuning.py).
 Stochastic rounding (``floor(y + u)``, u uniform in [0, 1)) draws ``u`` from Philox in the
 kernel and from ``torch.rand`` on a local generator in the reference: both are unbiased,
 they are not equal.
@@ -237,10 +240,11 @@ if HAS_TRITON:
     @triton.jit
     def _inverse(scale):
         """Per row of scales: whether the scale is finite and non-zero, the prescale (2**64
-        below 2**-64, else 1) and ``1 / (scale * prescale)`` (IEEE division, once per group;
-        1 where the scale is not finite), each [ROWS, 1]."""
+        below 2**-64, 2**-64 from 2**64 up, else 1) and ``1 / (scale * prescale)`` (IEEE
+        division, once per group; 1 where the scale is not finite), each [ROWS, 1]."""
         finite = (scale > 0.0) & (scale < float("inf"))  # False for NaN, inf, 0
-        pre = tl.where(scale < 5.421010862427522e-20, 18446744073709551616.0, 1.0)
+        big = tl.where(scale >= 18446744073709551616.0, 5.421010862427522e-20, 1.0)
+        pre = tl.where(scale < 5.421010862427522e-20, 18446744073709551616.0, big)
         safe = tl.where(finite, scale * pre, 1.0)
         inv = tl.math.div_rn(tl.full(safe.shape, 1.0, tl.float32), safe)
         return finite[:, None], pre[:, None], inv[:, None]
@@ -658,9 +662,12 @@ def quantize_ref(
     # Tensor-by-tensor division: CUDA turns division by a Python scalar into a reciprocal multiply.
     scale = amax / torch.full_like(amax, qmax)
     finite = (scale > 0) & (scale < float("inf"))
-    # x * (1 / scale), the kernel's steps: a prescale of 2**64 below 2**-64 keeps 1 / scale
-    # finite (exact: |x| <= qmax * scale), one division per group, one rounded multiply
-    pre = torch.where(scale < 2.0**-64, 2.0**64, 1.0)
+    # x * (1 / scale), the kernel's steps: the prescale keeps 1 / scale a normal float (one
+    # division per group, one rounded multiply); fp32 whatever torch's default dtype is
+    one = torch.ones_like(scale)
+    pre = torch.where(
+        scale < 2.0**-64, one * 2.0**64, torch.where(scale >= 2.0**64, one * 2.0**-64, one)
+    )
     safe = torch.where(finite, scale * pre, 1.0)
     inv = torch.ones_like(safe) / safe
     y = (xp * pre[:, None]) * inv[:, None]

@@ -169,6 +169,46 @@ def test_special_values(use_triton, dtype, bits, device, triton_device):
     assert out[9] == pytest.approx(-big, rel=1e-2)
 
 
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "reference"])
+def test_huge_and_tiny_groups_keep_their_codes(use_triton, signed, bits, triton_device):
+    # 1 / scale is subnormal for scales above 2**126 (2-bit groups from ~8.5e37) and would
+    # flush to 0 in the compiled multiply, and overflows below 2**-128: the prescale keeps it
+    # a normal float at both ends, so each group's largest element gets code +-qmax
+    device = triton_device if use_triton else "cpu"
+    qmax = gq.qrange(signed, bits)[1]
+    vals = [2.5e38, 1.3e38, 0.0, 3e37, 9e37, 5e37, 1e-30, 2e37, 1e-41, 6e-42, 0.0, 1e-43]
+    x = torch.tensor(vals, device=device)
+    if signed:
+        x[[1, 5, 9]] *= -1
+    codes, scales = gq.quantize(x, 4, signed=signed, use_triton=use_triton, bits=bits)
+    out = _deq((codes, scales), 4, torch.float32, use_triton, bits, signed, x.numel()).cpu()
+    stored = _nibbles(codes.cpu(), x.numel(), bits).int() + (
+        gq.qrange(signed, bits)[0] if bits < 8 else 0
+    )
+    for first in (0, 4, 8):
+        top = first + int(x[first : first + 4].abs().argmax())
+        assert stored[top].abs() == qmax, (first, stored[first : first + 4])
+    err = (out - x.cpu()).abs()
+    bound = 0.5 * _step((codes, scales.cpu()), x.numel(), 4) * (1 + 1e-5) + x.cpu().abs() * 2**-22
+    assert (err <= bound + 2.0**-149).all(), (err, bound)
+
+
+def test_reference_is_fp32_whatever_the_default_dtype(triton_device):
+    # a near-tie: x / scale is 93.4999996; computed in float64 it would round to 93
+    x = torch.tensor([5.062565803527832, 3.7271645069122314])
+    kernel = gq.quantize(x.to(triton_device), 2, use_triton=True)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        ref = gq.quantize_ref(x, 2)
+    finally:
+        torch.set_default_dtype(default)
+    assert_equal(kernel[0].cpu(), ref[0], "codes")
+    assert ref[0].tolist() == [127, 94]
+
+
 def _nibbles(codes: torch.Tensor, n: int, bits: int) -> torch.Tensor:
     if bits == 8:
         return codes
