@@ -343,6 +343,43 @@ def cuda_median_ms(fn, reps: int = 50, warmup: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def cuda_queued_ms(fns, rounds: int = 4, batches: int = 5) -> float:
+    """Device milliseconds per call of the callables ``fns`` (e.g. one per copy of an input,
+    taken in turn, so that no input is still in L2 from its previous call), their launches
+    queued behind a spin kernel: the events then time the kernels back to back, not the host's
+    cost of launching them, which a single call between two events (``cuda_median_ms``)
+    includes whenever the kernel is shorter than its launch. The median of ``batches``
+    batches of ``rounds`` passes over ``fns``; the spin doubles until it outlasts the host's
+    enqueueing of a batch."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    cycles, times = 10_000_000, []
+    while len(times) < batches:
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        spin_ms = start.elapsed_time(end)
+        torch.cuda._sleep(cycles)
+        t = time.perf_counter()
+        start.record()
+        for _ in range(rounds):
+            for f in fns:
+                f()
+        end.record()
+        host_ms = (time.perf_counter() - t) * 1e3
+        end.synchronize()
+        if host_ms > 0.5 * spin_ms:  # the queue may have drained: spin longer, time again
+            if cycles >= 2**34:
+                raise RuntimeError(f"cuda_queued_ms: launches take {host_ms:.1f} ms of host time")
+            cycles *= 2
+            continue
+        times.append(start.elapsed_time(end) / (rounds * len(fns)))
+    return sorted(times)[len(times) // 2]
+
+
 def host_us_per_call(calls: dict, reps: int = 2000) -> dict:
     """Microseconds per call of each function on a CUDA device, after 50 warm-up calls, with
     one synchronization per timing (small work: the host's time)."""

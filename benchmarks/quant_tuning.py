@@ -1,9 +1,13 @@
 """Launch shapes of the quantize and dequantize kernels against the copy bandwidth (GPU only).
 
 For each tensor size, times the copy (``x.clone()``) and the group-quantization kernels at
-each (ROWS, num_warps) given, 8 and 4 bits, fp16 input, groups of 128, as one median of
-CUDA-event timings per cell (the kernels alone: codes and scales are allocated once, outside
-the timing). Also times two twin 8-bit quantize kernels that differ in one line, the
+each (ROWS, num_warps) given, 8 and 4 bits, fp16 input, groups of 128 (the kernels alone:
+codes and scales are allocated once, outside the timing). ``--timing queued`` (the default)
+queues the launches behind a spin kernel and takes the inputs in turn from copies that exceed
+the L2 cache, so a cell is the kernel's device time even where it is shorter than its launch
+(about 50 us of host time through ``kernel[grid]``); ``--timing single`` is one call between
+two CUDA events, as the runs up to 2026-12-04, whose figures for tensors below ~50M elements
+are bounded by the launch. Also times two twin 8-bit quantize kernels that differ in one line, the
 per-element ``x / scale`` (IEEE division, the quantizer's step before 2026-12-04) against
 ``x * (1 / scale)`` (its step since), to tell whether the kernel is bound by arithmetic or by
 memory. Bytes counted as
@@ -28,6 +32,7 @@ from .common import (
     add_out_argument,
     argument_parser,
     cuda_median_ms,
+    cuda_queued_ms,
     environment,
     lazy_import,
     markdown_table,
@@ -97,13 +102,22 @@ def _dequantize_launch(codes, scales, out, bits, rows, warps):
     )  # fmt: skip
 
 
-def _launch_shapes(x, scales, bits: int, configs, add) -> None:
+def _copies(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t`` and enough clones of it that, taken in turn, together they exceed the L2 cache
+    four times over (60 MB on the H200; at most 8 tensors)."""
+    k = min(8, max(1, -(-240_000_000 // (t.numel() * t.element_size()))))
+    return [t] + [t.clone() for _ in range(k - 1)]
+
+
+def _launch_shapes(xs, scales, bits: int, configs, add) -> None:
     """Times quantize and dequantize at each launch shape, each output checked against the
     references (torch ops), bit for bit."""
+    x = xs[0]
     n = x.numel()
     ref_codes, ref_scales = gq.quantize_ref(x, 128, bits=bits)
     ref_out = gq.dequantize_ref(ref_codes, ref_scales, 128, x.dtype, bits, True, n)
     codes, out = torch.empty_like(ref_codes), torch.empty_like(x)
+    code_copies = _copies(ref_codes)
 
     def quantized() -> bool:
         return torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)
@@ -113,38 +127,45 @@ def _launch_shapes(x, scales, bits: int, configs, add) -> None:
 
     for rows, warps in configs:
         add("quantize", bits, rows, warps,
-            _quantize_launch(x, codes, scales, bits, rows, warps), quantized)  # fmt: skip
+            [_quantize_launch(xi, codes, scales, bits, rows, warps) for xi in xs],
+            quantized)  # fmt: skip
     for rows, warps in configs:
         add("dequantize", bits, rows, warps,
-            _dequantize_launch(ref_codes, ref_scales, out, bits, rows, warps),
+            [_dequantize_launch(c, ref_scales, out, bits, rows, warps) for c in code_copies],
             dequantized)  # fmt: skip
 
 
-def _measure(n: int, configs: list[tuple[int, int]]) -> list[dict]:
+def _measure(n: int, configs: list[tuple[int, int]], queued: bool) -> list[dict]:
     x = torch.randn(n, device="cuda", dtype=torch.float16)
+    xs = _copies(x) if queued else [x]
     ng = n // 128
     scales = torch.empty(ng, device="cuda", dtype=torch.float32)
-    copy_ms = cuda_median_ms(lambda: x.clone())
+
+    def time_ms(fns) -> float:
+        return cuda_queued_ms(fns) if queued else cuda_median_ms(fns[0])
+
+    copy_ms = time_ms([lambda xi=xi: xi.clone() for xi in xs])
     copy_gbs = 4 * n / copy_ms / 1e6
     rows_out = []
 
-    def add(kernel, bits, rows, warps, fn, check=None):
-        ms = cuda_median_ms(fn)
+    def add(kernel, bits, rows, warps, fns, check=None):
+        ms = time_ms(fns)
         moved = 2 * n + n * bits // 8 + ng * 4
         rows_out.append({"elements": n, "kernel": kernel, "bits": bits, "rows": rows,
                          "num_warps": warps, "ms": ms, "gbs": moved / ms / 1e6,
                          "copy_gbs": copy_gbs, "vs_copy": moved / ms / 1e6 / copy_gbs,
-                         "exact": None if check is None else check()})  # fmt: skip
+                         "exact": None if check is None else check(),
+                         "timing": "queued" if queued else "single"})  # fmt: skip
 
     for bits in (8, 4):
-        _launch_shapes(x, scales, bits, configs, add)
+        _launch_shapes(xs, scales, bits, configs, add)
     codes = torch.empty(n, device="cuda", dtype=torch.int8)
     twin = _twins()
     for mul in (False, True):
         for rows, warps in configs:
             add("twin " + ("x * (1 / scale)" if mul else "x / scale"), 8, rows, warps,
-                lambda r=rows, w=warps, m=mul: twin[((ng + r - 1) // r,)](
-                    x, codes, scales, n, ng, m, r, 128, num_warps=w))  # fmt: skip
+                [lambda xi=xi, r=rows, w=warps, m=mul: twin[((ng + r - 1) // r,)](
+                    xi, codes, scales, n, ng, m, r, 128, num_warps=w) for xi in xs])  # fmt: skip
     return rows_out
 
 
@@ -160,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="groups per program")  # fmt: skip
     p.add_argument("--warps", nargs="+", type=positive_int, default=[2, 4, 8],
                    help="num_warps values")  # fmt: skip
+    p.add_argument("--timing", choices=["queued", "single"], default="queued",
+                   help="queued: launches queued behind a spin kernel, inputs taken in turn "
+                   "from copies that exceed the L2 cache (the kernels' device time); single: "
+                   "one call between two CUDA events, as the runs before 2026-12-05 (it counts "
+                   "the host's launch wherever the kernel is shorter)")  # fmt: skip
     add_out_argument(p, "quant_tuning", "PREFIX.jsonl and PREFIX.md")
     return p
 
@@ -179,13 +205,14 @@ def run(argv=None) -> list[dict]:
     configs = [(r, w) for r in args.rows for w in args.warps]
     rows = []
     for n in progress(args.sizes, desc="sizes"):
-        rows += [dict(r, **env) for r in _measure(n, configs)]
+        rows += [dict(r, **env) for r in _measure(n, configs, args.timing == "queued")]
     cols = [("elements", "elements", ","), ("kernel", "kernel", "s"), ("bits", "bits", "d"),
             ("rows", "ROWS", "d"), ("num_warps", "num_warps", "d"), ("ms", "ms", ".3f"),
             ("gbs", "GB/s", ".0f"), ("copy_gbs", "copy GB/s", ".0f"),
             ("vs_copy", "vs copy", ".0%"), ("exact", "equals the reference", "")]  # fmt: skip
     head = (
-        f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}, fp16 "
+        f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}, "
+        f"{args.timing} timing, fp16 "
         'input, groups of 128. "equals the reference": the launch\'s codes and scales (its '
         "output, for dequantize) equal quantize_ref's (dequantize_ref's) bit for bit.\n\n"
     )
