@@ -489,8 +489,8 @@ if HAS_TRITON:
 @functools.lru_cache(maxsize=64)
 def _launch_shape(group_size: int, bits: int = 8) -> tuple[int, int]:
     """(ROWS, BLOCK): BLOCK covers a group up to 1024 elements, ROWS fills ~4096 elements per
-    program at 8 bits and ~1024 below (packed codes: their register reshapes spill at 4096,
-    about a fifth of the bandwidth; benchmarks/results/quant_tuning_shapes_gpu.md)."""
+    program at 8 bits and ~1024 below (packed codes ran at about a fifth of the bandwidth
+    with 4096 on the H200; benchmarks/results/quant_tuning_shapes_gpu.md)."""
     block = min(triton.next_power_of_2(group_size), 1024)
     rows = max(1, (4096 if bits == 8 else 1024) // block)
     return rows, block
