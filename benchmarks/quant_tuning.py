@@ -88,7 +88,7 @@ def _quantize_launch(x, codes, scales, bits, rows, warps):
     pb = gq.per_byte(bits)
     return lambda: gq._quantize_kernel[((ng + rows - 1) // rows,)](
         x, codes, scales, x, x, n, ng, g, 1, 0, qmin, qmax, bits, pb, False, False, False,
-        True, not gq.INTERPRETING, rows, 128, 128 // pb, num_warps=warps,
+        True, not gq.INTERPRETING, rows, 128, num_warps=warps,
     )  # fmt: skip
 
 

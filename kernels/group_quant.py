@@ -300,6 +300,32 @@ if HAS_TRITON:
         return tl.reshape(q, [ROWS, BLOCK])
 
     @triton.jit
+    def _code_bytes(base, row_ok, start, group_size, n, PER_BYTE: tl.constexpr,
+                    BLOCK_B: tl.constexpr):  # fmt: skip
+        """Offsets and mask of the bytes that hold elements ``start`` to
+        ``start + BLOCK_B * PER_BYTE`` of each row's group (a group begins at element
+        ``base``), [ROWS, BLOCK_B]."""
+        b = start // PER_BYTE + tl.arange(0, BLOCK_B)
+        first = base[:, None] + b[None, :] * PER_BYTE
+        bmask = row_ok[:, None] & (b[None, :] < group_size // PER_BYTE) & (first < n)
+        return first // PER_BYTE, bmask
+
+    @triton.jit
+    def _store_codes(codes_ptr, q, offs, mask, base, row_ok, start, group_size, n,
+                     QMIN: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
+                     ROWS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """Stores a [ROWS, BLOCK] tile of codes, elements ``start`` onwards of each row's group:
+        a byte each at 8 bits, packed below (``_pack``)."""
+        if BITS == 8:
+            tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
+        else:
+            packed = _pack(tl.where(mask, (q - QMIN).to(tl.int32), 0), ROWS, BLOCK, BITS,
+                           PER_BYTE)  # fmt: skip
+            at, bmask = _code_bytes(base, row_ok, start, group_size, n, PER_BYTE,
+                                    BLOCK // PER_BYTE)  # fmt: skip
+            tl.store(codes_ptr + at, packed.to(tl.uint8), mask=bmask)
+
+    @triton.jit
     def _quantize_kernel(
         x_ptr,  # (n,) fp32/fp16/bf16, contiguous
         codes_ptr,  # (n,) int8/uint8 at 8 bits; (ceil(n / PER_BYTE),) uint8 below
@@ -322,7 +348,6 @@ if HAS_TRITON:
         RN: tl.constexpr,  # compiled: explicit round-to-nearest multiply (see _codes)
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
-        BLOCK_B: tl.constexpr,  # BLOCK // PER_BYTE
     ):
         # Each program quantizes ROWS groups.
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -337,15 +362,8 @@ if HAS_TRITON:
             tl.store(scales_ptr + rows, scale, mask=row_ok)
             finite, pre, inv = _inverse(scale)
             q = _codes(x, finite, pre, inv, offs, seed, QMIN, QMAX, STOCHASTIC, POSITIVE, RN)
-            if BITS == 8:
-                tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
-            else:
-                packed = _pack(tl.where(mask, (q - QMIN).to(tl.int32), 0), ROWS, BLOCK, BITS,
-                               PER_BYTE)  # fmt: skip
-                b = tl.arange(0, BLOCK_B)
-                first = base[:, None] + b[None, :] * PER_BYTE
-                bmask = row_ok[:, None] & (b[None, :] < group_size // PER_BYTE) & (first < n)
-                tl.store(codes_ptr + first // PER_BYTE, packed.to(tl.uint8), mask=bmask)
+            _store_codes(codes_ptr, q, offs, mask, base, row_ok, 0, group_size, n,
+                         QMIN, BITS, PER_BYTE, ROWS, BLOCK)  # fmt: skip
         else:
             # one pass for the scales, one for the codes
             scale = _group_scales(
@@ -354,33 +372,15 @@ if HAS_TRITON:
             )  # fmt: skip
             tl.store(scales_ptr + rows, scale, mask=row_ok)
             finite, pre, inv = _inverse(scale)
-            if BITS == 8:
-                cols = tl.arange(0, BLOCK)
-                for start in range(0, group_size, BLOCK):
-                    c = start + cols
-                    offs = base[:, None] + c[None, :]
-                    mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
-                    x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
-                    q = _codes(x, finite, pre, inv, offs, seed, QMIN, QMAX, STOCHASTIC, POSITIVE,
-                               RN)  # fmt: skip
-                    tl.store(codes_ptr + offs, q.to(codes_ptr.dtype.element_ty), mask=mask)
-            else:
-                # Tile over bytes; lane j of each byte holds element byte * PER_BYTE + j.
-                bcols = tl.arange(0, BLOCK_B)
-                for start in range(0, group_size // PER_BYTE, BLOCK_B):
-                    b = start + bcols
-                    first = base[:, None] + b[None, :] * PER_BYTE
-                    bmask = row_ok[:, None] & (b[None, :] < group_size // PER_BYTE) & (first < n)
-                    packed = tl.zeros([ROWS, BLOCK_B], dtype=tl.int32)
-                    for j in tl.static_range(PER_BYTE):
-                        offs = first + j
-                        mask = bmask & (offs < n)
-                        x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
-                        q = _codes(x, finite, pre, inv, offs, seed, QMIN, QMAX, STOCHASTIC,
-                                   POSITIVE, RN)  # fmt: skip
-                        stored = tl.where(mask, (q - QMIN).to(tl.int32), 0)
-                        packed = packed | (stored << (j * BITS))
-                    tl.store(codes_ptr + first // PER_BYTE, packed.to(tl.uint8), mask=bmask)
+            cols = tl.arange(0, BLOCK)
+            for start in range(0, group_size, BLOCK):
+                c = start + cols
+                offs = base[:, None] + c[None, :]
+                mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
+                x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
+                q = _codes(x, finite, pre, inv, offs, seed, QMIN, QMAX, STOCHASTIC, POSITIVE, RN)
+                _store_codes(codes_ptr, q, offs, mask, base, row_ok, start, group_size, n,
+                             QMIN, BITS, PER_BYTE, ROWS, BLOCK)  # fmt: skip
 
     @triton.jit
     def _bf16_bits_rtne(v):
@@ -459,10 +459,9 @@ if HAS_TRITON:
             if BITS == 8:
                 v = dequantize_tile(codes_ptr, offs, mask, s, QMIN, BITS, PER_BYTE)
             else:  # each byte loaded once, unpacked in registers
-                b = start // PER_BYTE + tl.arange(0, BLOCK // PER_BYTE)
-                first = base[:, None] + b[None, :] * PER_BYTE
-                bmask = row_ok[:, None] & (b[None, :] < group_size // PER_BYTE) & (first < n)
-                byte = tl.load(codes_ptr + first // PER_BYTE, mask=bmask, other=0).to(tl.int32)
+                at, bmask = _code_bytes(base, row_ok, start, group_size, n, PER_BYTE,
+                                        BLOCK // PER_BYTE)  # fmt: skip
+                byte = tl.load(codes_ptr + at, mask=bmask, other=0).to(tl.int32)
                 q = _unpack(byte, ROWS, BLOCK, BITS, PER_BYTE) + QMIN
                 v = q.to(tl.float32) * s
             if EPI == 1:  # v * weight[col] + bias[col], each rounded (two fp32 ops, as torch)
@@ -621,7 +620,7 @@ def quantize(
         ((ng + rows - 1) // rows,),  # not triton.cdiv: a constexpr function, ~8 us a call
         x, codes, scales, mean, rstd, n, ng, group_size, row_len, seed,
         qmin, qmax, bits, per_byte(bits), stochastic, normalize is not None, positive,
-        group_size <= block, not INTERPRETING, rows, block, max(1, block // per_byte(bits)),
+        group_size <= block, not INTERPRETING, rows, block,
     )  # fmt: skip
     return codes, scales
 
@@ -669,7 +668,7 @@ def quantize_ref(
         scale < 2.0**-64, one * 2.0**64, torch.where(scale >= 2.0**64, one * 2.0**-64, one)
     )
     safe = torch.where(finite, scale * pre, 1.0)
-    inv = torch.ones_like(safe) / safe
+    inv = one / safe
     y = (xp * pre[:, None]) * inv[:, None]
     special = torch.where(xp == float("inf"), float(qmax), 0.0)
     special = torch.where(xp == float("-inf"), float(-qmax), special)

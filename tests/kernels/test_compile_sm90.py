@@ -43,8 +43,8 @@ for bits, signed, stochastic, x_dtype, one_pass, epi in CASES:
               "row_len": "i32", "seed": "i32"},
              {"QMIN": qmin, "QMAX": qmax, "BITS": bits, "PER_BYTE": per, "STOCHASTIC": stochastic,
               "NORM": epi % 2 == 0, "POSITIVE": bits == 8 and not signed and epi % 2 == 1,
-              "ONE_PASS": one_pass, "RN": True, "ROWS": rows, "BLOCK": 128,
-              "BLOCK_B": 128 // per}, 4 if bits == 8 else 1)
+              "ONE_PASS": one_pass, "RN": True, "ROWS": rows, "BLOCK": 128},
+             4 if bits == 8 else 1)
     compile_(gq._dequantize_kernel,
              {"codes_ptr": codes, "scales_ptr": "*fp32",
               "out_ptr": "*i16" if stochastic else "*fp16", "p1_ptr": "*fp32", "p2_ptr": "*fp16",
