@@ -355,13 +355,14 @@ def cuda_queued_ms(fns, rounds: int = 4, batches: int = 5) -> float:
         f()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cycles, times = 10_000_000, []
+    cycles, spin_ms, times = 10_000_000, None, []
     while len(times) < batches:
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        spin_ms = start.elapsed_time(end)
+        if spin_ms is None:  # the spin's length, timed once per number of cycles
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            spin_ms = start.elapsed_time(end)
         torch.cuda._sleep(cycles)
         t = time.perf_counter()
         start.record()
@@ -374,7 +375,7 @@ def cuda_queued_ms(fns, rounds: int = 4, batches: int = 5) -> float:
         if host_ms > 0.5 * spin_ms:  # the queue may have drained: spin longer, time again
             if cycles >= 2**34:
                 raise RuntimeError(f"cuda_queued_ms: launches take {host_ms:.1f} ms of host time")
-            cycles *= 2
+            cycles, spin_ms = cycles * 2, None
             continue
         times.append(start.elapsed_time(end) / (rounds * len(fns)))
     return sorted(times)[len(times) // 2]

@@ -20,21 +20,28 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, timm; print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__)" | tee -a "$OUT/gpu.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i "warning" || true
-if [[ $what == suite ]]; then
-  # every test of the repository, split over processes (kernel tests are dominated by Triton
-  # compiles); one log per group, then the summary lines and their sum
-  groups=("tests/kernels -k float32" "tests/kernels -k 'float16 and not bfloat16'"
-          "tests/kernels -k bfloat16" "tests/kernels -k 'not float32 and not float16'"
-          "tests/test_composition.py tests/test_semantics.py"
-          "tests/test_modules.py tests/test_attention.py tests/test_properties.py"
-          "tests/models tests/benchmarks tests/test_long_run.py"
-          "tests/test_bad_input.py tests/test_checkpoint.py tests/test_compile.py tests/test_reliability.py tests/test_report.py tests/test_sharing.py tests/test_wrap.py")
-  i=0
-  for g in "${groups[@]}"; do
-    eval "python3 -m pytest -q -p no:cacheprovider $g" > "$OUT/suite_$i.txt" 2>&1 &
+# the kernel tests in four groups (their time is Triton compiles: one process per group)
+KERNEL_GROUPS=("tests/kernels -k float32" "tests/kernels -k 'float16 and not bfloat16'"
+               "tests/kernels -k bfloat16" "tests/kernels -k 'not float32 and not float16'")
+# parallel_pytest NAME PREFIX GROUP...: each group's pytest in a process of its own, after
+# PREFIX (e.g. a timeout), logged to $OUT/NAME_<i>.txt; returns when all have ended
+parallel_pytest() {
+  local name=$1 prefix=$2 i=0 g
+  shift 2
+  for g in "$@"; do
+    eval "$prefix python3 -m pytest -q -p no:cacheprovider $g" > "$OUT/${name}_$i.txt" 2>&1 &
     i=$((i + 1))
   done
   wait
+}
+if [[ $what == suite ]]; then
+  # every test of the repository, split over processes (kernel tests are dominated by Triton
+  # compiles); one log per group, then the summary lines and their sum
+  parallel_pytest suite "" "${KERNEL_GROUPS[@]}" \
+    "tests/test_composition.py tests/test_semantics.py" \
+    "tests/test_modules.py tests/test_attention.py tests/test_properties.py" \
+    "tests/models tests/benchmarks tests/test_long_run.py" \
+    "tests/test_bad_input.py tests/test_checkpoint.py tests/test_compile.py tests/test_reliability.py tests/test_report.py tests/test_sharing.py tests/test_wrap.py"
   for f in "$OUT"/suite_*.txt; do echo "$f: $(tail -n 1 "$f")"; done | tee "$OUT/suite_summary.txt"
   grep -h -E "^[0-9]+ (passed|failed)|^=+ .*(passed|failed)" "$OUT"/suite_*.txt | tr -d '=' \
     | python3 -c "import re,sys; t={}; [t.__setitem__(k, t.get(k, 0) + int(n)) for l in sys.stdin for n, k in re.findall(r'(\d+) (passed|failed|skipped|deselected|errors?)', l)]; print('total:', t)" \
@@ -99,15 +106,7 @@ if [[ $what == kernel-bw ]]; then
 fi
 if [[ $what == kernel-tests ]]; then
   # the kernel tests on CUDA (compiled kernels against their references), four processes
-  groups=("-k float32" "-k 'float16 and not bfloat16'" "-k bfloat16"
-          "-k 'not float32 and not float16'")
-  i=0
-  for g in "${groups[@]}"; do
-    eval "timeout 420 python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/kernels $g" \
-      > "$OUT/kernel_tests_$i.txt" 2>&1 &
-    i=$((i + 1))
-  done
-  wait
+  parallel_pytest kernel_tests "timeout 420" "${KERNEL_GROUPS[@]/#/-p no:warnings }"
   for f in "$OUT"/kernel_tests_*.txt; do echo "$(tail -n 1 "$f")"; done | tee "$OUT/kernel_cuda_tests_h200.txt"
   grep -h "^FAILED" "$OUT"/kernel_tests_*.txt | head -n 20 | tee -a "$OUT/kernel_cuda_tests_h200.txt"
   rm -f "$OUT"/kernel_tests_[0-9].txt
