@@ -5,13 +5,19 @@ torch.compile traces (a caller may force either path, e.g. tests that run kernel
 interpreter on CPU tensors).
 
 ``Launcher``: ``kernel[grid](*args)`` costs 13-30 us of host time per call in Triton 3.x,
-most of it in the JIT's argument binding and specialization. A Launcher keeps the compiled
-kernel of each specialization and calls it directly (about as cheap as a torch op). Its key is
-a superset of what Triton's JIT specializes on: each tensor's dtype and 16-byte alignment,
-each int's equality to 1, divisibility by 16 and width, each constexpr's value, and the
-device. On a key it has not seen (and in the interpreter, under a launch hook such as
-Proton's, or when the direct call is unavailable) it goes through ``kernel[grid]``, which
-compiles, launches and returns the kernel to keep.
+most of it in the JIT's argument binding and specialization, and Triton's own launcher of a
+compiled kernel (``CompiledKernel.run``) still costs about 15 us on the H200's host: a Python
+wrapper, then a C function that parses every argument, constexprs included, and asks the
+driver about each pointer. A Launcher keeps the compiled kernel of each specialization and
+launches it through PyTorch's C++ launcher of Triton cubins (``torch._C._StaticCudaLauncher``,
+the one Inductor's generated code uses; torch 2.7+), with the runtime arguments alone and the
+tensors as their device addresses. Its key is a superset of what Triton's JIT specializes on:
+each tensor's dtype and 16-byte alignment, each int's equality to 1, divisibility by 16 and
+width, each constexpr's value, and the device. On a key it has not seen (and in the
+interpreter, under a launch hook such as Proton's, or when the direct call is unavailable) it
+goes through ``kernel[grid]``, which compiles, launches and returns the kernel to keep; a
+kernel the static launcher cannot take (cluster launches, tensor descriptors, scratch memory)
+is kept with Triton's own ``run``.
 """
 
 from __future__ import annotations
@@ -57,6 +63,65 @@ def _hooked() -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+# PyTorch's C++ launcher of Triton cubins: ``(function, grid x, y, z, num_warps, shared bytes,
+# argument types, arguments, stream)``, the arguments one character each in the types
+_STATIC_LAUNCH = getattr(getattr(torch._C, "_StaticCudaLauncher", None), "_launch_kernel", None)
+
+# Triton's scalar types as the static launcher reads them (Inductor's own table); a pointer
+# ("*fp16", ...) is "O" and takes a device address as an int
+_ARG_TYPES = {
+    "i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l",
+    "u1": "I", "u8": "B", "u16": "H", "u32": "I", "u64": "K",
+    "fp16": "f", "bf16": "f", "fp32": "f", "f32": "f", "fp64": "d",
+}  # fmt: skip
+
+
+def static_entry(kernel, n_args: int) -> tuple | None:
+    """How the static launcher launches ``kernel`` (a Triton ``CompiledKernel`` of a
+    ``@triton.jit`` function with ``n_args`` parameters): ``(function, num_warps, shared,
+    argument types, slots, trailing Nones)``, ``slots`` holding ``(position, is_pointer)`` of
+    each runtime argument; None where it cannot (no static launcher, an unknown argument type,
+    scratch memory, clusters, cooperative or programmatic-dependent launches, tensor
+    descriptors): the caller then keeps Triton's own ``run``."""
+    if _STATIC_LAUNCH is None:
+        return None
+    meta = kernel.metadata
+    src = getattr(kernel, "src", None)
+    names = getattr(getattr(src, "fn", None), "arg_names", None)
+    signature = getattr(src, "signature", None)
+    if names is None or signature is None or len(names) != n_args:
+        return None
+    if getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "tensordesc_meta", None):
+        return None
+    if getattr(meta, "launch_cooperative_grid", False) or getattr(meta, "launch_pdl", False):
+        return None
+    constants = getattr(src, "constants", {}) or {}
+    types, slots = [], []
+    for i, name in enumerate(names):
+        ty = signature.get(name, signature.get(i))
+        if ty is None:
+            return None
+        if ty == "constexpr" or name in constants or (i,) in constants or i in constants:
+            continue
+        if ty.startswith("*"):
+            types.append("O")
+            slots.append((i, True))
+        elif ty in _ARG_TYPES:
+            types.append(_ARG_TYPES[ty])
+            slots.append((i, False))
+        else:
+            return None
+    trailing = 0  # newer Triton passes its scratch buffers last: None when a kernel needs none
+    for attr in ("global_scratch_size", "profile_scratch_size"):
+        if hasattr(meta, attr):
+            if getattr(meta, attr):
+                return None
+            types.append("O")
+            trailing += 1
+    shared = kernel.shared if hasattr(kernel, "shared") else meta.shared
+    return kernel.function, meta.num_warps, shared, "".join(types), tuple(slots), (None,) * trailing
+
+
 class Launcher:
     """Launches one ``@triton.jit`` kernel with its compiled specializations kept.
 
@@ -71,6 +136,7 @@ class Launcher:
     """
 
     direct = True  # class switch: False sends every launch through kernel[grid] (tests, debugging)
+    static = True  # class switch: False launches kept kernels with Triton's run (measurements)
 
     def __init__(self, fn, num_warps: int | None = None) -> None:
         self.fn = fn
@@ -79,6 +145,7 @@ class Launcher:
         self._constexpr = tuple(p.is_constexpr for p in params) if params else None
         self._cache: dict = {}
         self._parts = None
+        self.launches = [0, 0]  # kept kernels launched: statically, through Triton's run
 
     def _partition(self, args) -> tuple:
         """Positions of the constexprs (and other non-tensor, non-int values: keyed by value),
@@ -117,13 +184,22 @@ class Launcher:
             key = self.key(args, device)
             entry = self._cache.get(key)
             if entry is not None and not _hooked():
-                run, function, metadata = entry
                 stream = torch._C._cuda_getCurrentRawStream(device)
                 n = len(grid)
-                run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, function,
-                    metadata, None, None, None, *args)  # fmt: skip
+                gy, gz = (grid[1] if n > 1 else 1), (grid[2] if n > 2 else 1)
+                static, run, function, metadata = entry
+                if static is not None and self.static:
+                    function, warps, shared, types, slots, trailing = static
+                    values = [args[i].data_ptr() if ptr else args[i] for i, ptr in slots]
+                    _STATIC_LAUNCH(function, grid[0], gy, gz, warps, shared, types,
+                                   (*values, *trailing), stream)  # fmt: skip
+                    self.launches[0] += 1
+                    return
+                run(grid[0], gy, gz, stream, function, metadata, None, None, None, *args)
+                self.launches[1] += 1
                 return
         kernel = self.fn[grid](*args, **self._options)
         if fast and not INTERPRETING and hasattr(kernel, "packed_metadata"):
-            run = kernel.run  # first: binds the launcher (and the function handle) now
-            self._cache[key] = (run, kernel.function, kernel.packed_metadata)
+            run = kernel.run  # first: binds Triton's launcher (and the function handle) now
+            entry = (static_entry(kernel, len(args)), run, kernel.function, kernel.packed_metadata)
+            self._cache[key] = entry

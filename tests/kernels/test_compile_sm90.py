@@ -63,3 +63,50 @@ def test_kernels_compile_for_sm90():
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("compiled") == 8, res.stdout
+
+
+_ABI_SCRIPT = r"""
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mesa_lite.kernels import group_quant as gq, launch
+
+launch._STATIC_LAUNCH = launch._STATIC_LAUNCH or print  # torch without it: the mapping alone
+PTX = {"O": "u64", "i": "u32", "l": "u64", "f": "f32", "d": "f64", "K": "u64", "I": "u32"}
+# n_groups specialized to 1 (a constexpr the launch drops) and a 64-bit seed
+quantize = ({"x_ptr": "*fp16", "codes_ptr": "*i8", "scales_ptr": "*fp32", "mean_ptr": "*fp32",
+             "rstd_ptr": "*fp32", "n": "i32", "group_size": "i32", "seed": "i64"},
+            {"n_groups": 1, "row_len": 1, "QMIN": -127, "QMAX": 127, "BITS": 8, "PER_BYTE": 1,
+             "STOCHASTIC": False, "NORM": False, "POSITIVE": False, "ONE_PASS": True, "RN": True,
+             "ROWS": 32, "BLOCK": 128}, "OOOOOiil")
+dequantize = ({"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*i16", "p1_ptr": "*fp32",
+               "p2_ptr": "*fp16", "n": "i32", "n_groups": "i32", "group_size": "i32",
+               "row_len": "i32"},
+              {"QMIN": 0, "BITS": 4, "PER_BYTE": 2, "OUT_BF16": True, "EPI": 2, "HAS_P1": True,
+               "HAS_P2": True, "MID": 0, "RN": True, "ROWS": 8, "BLOCK": 128}, "OOOOOiiii")
+for fn, (sig, cx, expected) in ((gq._quantize_kernel, quantize),
+                                (gq._dequantize_kernel, dequantize)):
+    k = triton.compile(ASTSource(fn=fn, signature={**sig, **dict.fromkeys(cx, "constexpr")},
+                                 constexprs=cx), target=GPUTarget("cuda", 90, 32))
+    entry = launch.static_entry(k, len(fn.arg_names))
+    types = entry[3]
+    assert types.startswith(expected), (types, expected)
+    ptx = k.asm["ptx"]
+    head = ptx[ptx.index(".entry"):]
+    params = re.findall(r"\.param \.(\w+)", head[: head.index(")")])
+    assert [PTX[t] for t in types] == params, (types, params)
+    print("abi", fn.__name__, types)
+"""
+
+
+def test_static_launch_types_match_the_kernels_parameters():
+    """The static launcher passes each runtime argument as the type the compiled kernel's
+    PTX entry declares, in order, constexprs (and ints specialized to 1) left out, Triton's
+    scratch pointers last: the launch ABI checked without a GPU, on this Triton."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run(
+        [sys.executable, "-c", _ABI_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("abi") == 2, res.stdout

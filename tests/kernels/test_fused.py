@@ -186,3 +186,50 @@ def test_launcher_takes_the_direct_path_under_triton_default_hooks():
     from mesa_lite.kernels import launch
 
     assert not launch._hooked()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="launches compiled kernels")
+@pytest.mark.parametrize("bits, group_size", [(8, 128), (8, 1000), (4, 128), (2, 12)], ids=str)
+def test_static_launch_matches_the_jit_launch(bits, group_size):
+    """Kept kernels launched through PyTorch's static launcher give the codes, scales and
+    rebuilt tensors that the JIT launch (``kernel[grid]``) gives, bit for bit: stochastic
+    rounding (a seed argument on every call), a misaligned input, the fused epilogues."""
+    from mesa_lite.kernels import launch
+
+    if launch._STATIC_LAUNCH is None:
+        pytest.skip("this torch has no static launcher")
+    x = _x((6, 50, 40), torch.float16, "cuda")
+    odd = _x((1, 1201), torch.bfloat16, "cuda")[:, 1:]  # 2 bytes off 16-byte alignment
+    mean, rstd = x.float().mean(-1), x.float().var(-1).add(1e-5).rsqrt()
+    w, b = torch.rand(40, device="cuda"), torch.randn(40, device="cuda")
+
+    def run():
+        out = []
+        for t, kw in ((x, {}), (odd, {}), (x, {"normalize": (mean, rstd)})):
+            codes, scales = gq.quantize(t, group_size, bits=bits, **kw)
+            out += [codes, scales, gq.dequantize(codes, scales, group_size, t.dtype, bits=bits,
+                                                 signed=True, numel=t.numel())]  # fmt: skip
+        if bits == 8:
+            out += gq.quantize(x, group_size, stochastic=True, bits=bits)
+        codes, scales = out[6], out[7]
+        for epi in (("affine", w, b), ("unnormalize", mean, rstd), ("gelu", "tanh", x.dtype),
+                    ("gelu_backward", "none", x.reshape(-1))):  # fmt: skip
+            out.append(gq.dequantize(codes, scales, group_size, x.dtype, bits=bits,
+                                     signed=True, numel=x.numel(), epilogue=epi))  # fmt: skip
+        return out
+
+    state = gq.rounding_state()
+    run()  # compiles and keeps each specialization
+    launchers = (gq._QUANTIZE, gq._DEQUANTIZE, gq._QUANTIZE_PACKED, gq._DEQUANTIZE_PACKED)
+    before = sum(lk.launches[0] for lk in launchers)
+    gq.set_rounding_state(state)
+    static = run()
+    assert sum(lk.launches[0] for lk in launchers) - before >= 8  # the static launcher ran
+    try:
+        Launcher.direct = False
+        gq.set_rounding_state(state)
+        jit = run()
+    finally:
+        Launcher.direct = True
+    for a, b_ in zip(static, jit, strict=True):
+        assert_equal(a, b_)
