@@ -165,8 +165,10 @@ class NormAttentionFn(torch.autograd.Function):
         qkv_b_dtype, proj_b_dtype = ctx.bias_dtypes
         B, H, N, D = out_shape
 
+        # the attention output, rebuilt once: the projection's input and attention's backward
+        out = _restore(po, ctx.o_order) if po is not None else None
+
         def rebuild_o():
-            out = _restore(po, ctx.o_order)
             return out.transpose(1, 2).reshape(B, N, H * D).to(o_dtype)
 
         g_o, g_pw, g_pb = linear_backward(
@@ -176,7 +178,6 @@ class NormAttentionFn(torch.autograd.Function):
         gx = g_lw = g_lb = g_qw = g_qb = None
         if need_qkv:
             q, k, v = rebuild_qkv(kept, ctx.qkv_layout)
-            out = _restore(po, ctx.o_order)
             g_out = g_o.reshape(B, N, H, D).transpose(1, 2)
             gq, gk, gv = sdpa_backward(g_out, q, k, v, out, lse, extra, ctx.max_qk, ctx.sdpa,
                                        (True, True, True))  # fmt: skip
