@@ -3,6 +3,11 @@ PyTorch's own compile-time options, in one process, as the median of interleaved
 
 Rows (each a full AdamW step under autocast, one model per row, all alive at once; ``--rows``):
   plain / mesa int8                   the model as built, and wrapped (default Config), eager;
+  mesa int8, Triton's launcher        eager mesa int8 with its kernels launched by Triton's
+                                      own launcher (the launch path before the static one);
+  mesa int8, opt-in kinds             eager, the opt-in kinds wrapped too (convolutions,
+                                      BatchNorm, ReLU, ...: mesa_lite.OPT_IN_KINDS);
+  ckpt                                timm's activation checkpointing, eager;
   plain compiled                      torch.compile(model);
   mesa int8 compiled, custom_op       mesa_lite.compile(model), quantize/dequantize as opaque
                                       custom ops (Triton);
@@ -59,6 +64,7 @@ torch = lazy_import("torch")
 F = lazy_import("torch.nn.functional")
 quant = lazy_import("mesa_lite.quant")
 mesa_lite = lazy_import("mesa_lite")
+launch = lazy_import("mesa_lite.kernels.launch")
 
 MIB = 2**20
 # name: (mode, torch.compile mode or None for eager, COMPILE_FORM, Inductor options, functorch
@@ -71,6 +77,9 @@ _OWN = ({"trace.enabled": False}, {"trace.enabled": False, "trace.debug_log": Fa
 ROWS = {
     "plain": ("amp", None, None, None, (), "plain"),
     "mesa int8": ("mesa", None, None, None, (), "plain"),
+    "mesa int8, Triton's launcher": ("mesa", None, None, None, (), "plain"),
+    "mesa int8, opt-in kinds": ("mesa", None, None, None, (), "plain"),
+    "ckpt": ("ckpt", None, None, None, (), "plain"),
     "plain compiled": ("amp", "default", None, None, (), "plain compiled"),
     "mesa int8 compiled, custom_op": (
         "mesa", "default", "custom_op", None, (), "plain compiled"),
@@ -128,7 +137,11 @@ class _Row:
         self.name, self.dtype = name, dtype
         from .deit_memory import make_model
 
-        model = make_model(model_name, "fused", mode, 224).cuda()
+        config = None
+        if name == "mesa int8, opt-in kinds":
+            config = mesa_lite.Config(layers=mesa_lite.DEFAULT_LAYERS | mesa_lite.OPT_IN_KINDS)
+        self.static = name != "mesa int8, Triton's launcher"
+        model = make_model(model_name, "fused", mode, 224, config=config).cuda()
         # wrapped models compile through mesa_lite.compile (its Inductor options), except
         # the row that shows plain torch.compile with Inductor's defaults
         fn = mesa_lite.compile if mode == "mesa" and "Inductor defaults" not in name else None
@@ -148,7 +161,9 @@ class _Row:
     def step(self, x, y):
         if self.form is not None:  # read while tracing; guarded, so set it for every call
             quant.COMPILE_FORM = self.form
+        launch.Launcher.static = self.static
         with contextlib.ExitStack() as stack:
+            stack.callback(setattr, launch.Launcher, "static", True)
             for option, value in self.patches:  # read while compiling
                 stack.enter_context(torch._functorch.config.patch({option: value}))
             self.opt.zero_grad(set_to_none=True)

@@ -122,18 +122,28 @@ def _measure(model: str, width: int, batch: int, g: int) -> list[dict]:
 
 
 def host_us_per_launch() -> dict:
-    """Host time per call (small tensor, so the device is idle): torch.add, quantize through
-    the launcher's cached kernel, and quantize through ``kernel[grid]``."""
+    """Host time per call (small tensor, so the device is idle): torch.add, quantize and
+    dequantize through the launcher's kept kernels with the static launcher, the same with
+    Triton's own launcher (``CompiledKernel.run``, the path before), and quantize through
+    ``kernel[grid]``."""
     x = torch.randn(4096, device="cuda", dtype=torch.float16)
-    out = host_us_per_call(
-        {"torch.add": lambda: x.add(1), "quantize (direct launch)": lambda: gq.quantize(x, 128)}
-    )
+    codes, scales = gq.quantize(x, 128)
+    calls = {
+        "quantize": lambda: gq.quantize(x, 128),
+        "dequantize": lambda: gq.dequantize(codes, scales, 128, torch.float16),
+    }
+    out = host_us_per_call({"torch.add": lambda: x.add(1), **calls})
+    launch.Launcher.static = False
+    try:
+        out.update({f"{k} (Triton's launcher)": v for k, v in host_us_per_call(calls).items()})
+    finally:
+        launch.Launcher.static = True
     launch.Launcher.direct = False
     try:
         out.update(host_us_per_call({"quantize (kernel[grid])": lambda: gq.quantize(x, 128)}))
     finally:
         launch.Launcher.direct = True
-    out["launcher cache entries"] = len(gq._QUANTIZE._cache)
+    out["static launches"] = gq._QUANTIZE.launches[0] + gq._DEQUANTIZE.launches[0]
     return out
 
 

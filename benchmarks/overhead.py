@@ -5,8 +5,12 @@ Each op kind runs on tensors small enough that the device's own work is negligib
 kernel launches. An iteration is forward, ``sum().backward()`` and dropping the gradients, the
 same for the plain module and its wrapped copy, under the autocast dtype given. Reported per
 kind: microseconds per iteration plain and wrapped (the median of --repeats timings of --iters
-iterations each, after warm-up), their ratio, and the difference, the host cost mesa_lite
-adds. "attention" is timm's Attention block (its qkv and proj Linears and fused attention),
+iterations each, after warm-up, plain's and wrapped's timings interleaved), their ratio, and
+the difference, the host cost mesa_lite adds; the wrapped module in the exact (debug) mode,
+the same Functions keeping uncompressed copies, no quantize or dequantize (what the Functions'
+structure costs without the compression); on a GPU also the wrapped module with its kept
+kernels launched by Triton's own launcher (the launch path before the static one), same run.
+"attention" is timm's Attention block (its qkv and proj Linears and fused attention),
 "matmul" mesa_lite.MatMul on a @ b^T, "block" timm's vision-transformer Block (two
 block-level Functions), "block-per-op" the same Block through its per-op modules (each layer
 its own Function; what the block-level Functions replace). On a GPU the loop is synchronized
@@ -28,6 +32,7 @@ Writes PREFIX.jsonl and PREFIX.md (a fresh runs/ folder unless --out names a pre
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import cProfile
 import io
@@ -92,13 +97,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _pair(kind: str, width: int):
-    """(plain module, its wrapped copy, number of inputs) of a kind."""
+def _pair(kind: str, width: int, config=None):
+    """(plain module, its wrapped copy, number of inputs) of a kind (wrapped with ``config``;
+    None: the default Config)."""
     nn = torch.nn
     if kind == "matmul":  # mesa_lite's own module; with no spec it runs a @ b
         plain = mesa_lite.MatMul()
         plain.mesa_spec = None
-        return plain, mesa_lite.MatMul(), 2
+        spec = None if config is None else config.spec_for("", "matmul")
+        return plain, mesa_lite.MatMul(spec), 2
     if kind == "attention":
         from timm.layers import Attention
 
@@ -107,7 +114,7 @@ def _pair(kind: str, width: int):
         from timm.models.vision_transformer import Block
 
         plain = Block(width, num_heads=4, qkv_bias=True)
-        wrapped = mesa_lite.wrap(copy.deepcopy(plain))
+        wrapped = mesa_lite.wrap(copy.deepcopy(plain), config)
         if kind == "block-per-op":
             wrapped.unfuse()
         return plain, wrapped, 1
@@ -115,7 +122,7 @@ def _pair(kind: str, width: int):
         make = {"linear": lambda: nn.Linear(width, width), "layernorm": lambda: nn.LayerNorm(width),
                 "gelu": nn.GELU, "softmax": lambda: nn.Softmax(dim=-1)}  # fmt: skip
         plain = make[kind]()
-    return plain, mesa_lite.wrap(copy.deepcopy(plain)), 1
+    return plain, mesa_lite.wrap(copy.deepcopy(plain), config), 1
 
 
 def _stepper(module, inputs, args, device):
@@ -156,43 +163,73 @@ def _profile(module, inputs, args, device) -> str:
     return "\n".join(lines)
 
 
-def _time_us(module, inputs, args, device) -> float:
-    """Median microseconds per iteration (forward, backward, gradients dropped)."""
-    step = _stepper(module, inputs, args, device)
-
-    for _ in range(max(5, args.iters // 10)):
-        step()
-    times = []
+def _time_us(variants: dict, args, device) -> dict:
+    """Median microseconds per iteration (forward, backward, gradients dropped) of each
+    ``name: (module, inputs, setup)``, ``setup`` a context manager run around its timings;
+    the variants' timings interleaved, ``args.repeats`` each."""
+    steps = {name: (_stepper(m, inputs, args, device), setup)
+             for name, (m, inputs, setup) in variants.items()}  # fmt: skip
+    for step, setup in steps.values():
+        with setup():
+            for _ in range(max(5, args.iters // 10)):
+                step()
+    times: dict = {name: [] for name in steps}
     for _ in range(args.repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            step()
-        sync(device)
-        times.append((time.perf_counter() - t0) / args.iters * 1e6)
-    return statistics.median(times)
+        for name, (step, setup) in steps.items():
+            with setup():
+                sync(device)
+                t0 = time.perf_counter()
+                for _ in range(args.iters):
+                    step()
+                sync(device)
+            times[name].append((time.perf_counter() - t0) / args.iters * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+@contextlib.contextmanager
+def _triton_run():
+    """Kept kernels launched by Triton's own launcher instead of the static one (the launch
+    path before; kernels/launch.py)."""
+    from mesa_lite.kernels.launch import Launcher
+
+    Launcher.static = False
+    try:
+        yield
+    finally:
+        Launcher.static = True
 
 
 def measure(kind: str, args) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(0)
     plain, wrapped, n_inputs = _pair(kind, args.width)
-    plain, wrapped = plain.to(device).train(), wrapped.to(device).train()
+    torch.manual_seed(0)
+    exact = _pair(kind, args.width, mesa_lite.Config(debug_exact=True))[1]
+    plain, wrapped, exact = (m.to(device).train() for m in (plain, wrapped, exact))
     g = torch.Generator().manual_seed(1)
     shape = (args.batch_size, args.tokens, args.width)
     inputs = [torch.randn(*shape, generator=g).to(device).requires_grad_() for _ in range(n_inputs)]
     if kind == "matmul":  # a @ b^T: (B, N, C) @ (B, C, N)
         inputs[1] = inputs[1].detach().transpose(1, 2).contiguous().requires_grad_()
-    plain_us = _time_us(plain, inputs, args, device)
-    wrapped_us = _time_us(wrapped, inputs, args, device)
+    variants = {"plain": (plain, inputs, contextlib.nullcontext),
+                "wrapped": (wrapped, inputs, contextlib.nullcontext),
+                "exact": (exact, inputs, contextlib.nullcontext)}  # fmt: skip
+    if device.type == "cuda":
+        variants["triton_run"] = (wrapped, inputs, _triton_run)
+    us = _time_us(variants, args, device)
     profile = _profile(wrapped, inputs, args, device) if args.profile else None
-    return profile, {
+    row = {
         "kind": kind,
-        "plain_us": plain_us,
-        "wrapped_us": wrapped_us,
-        "ratio": wrapped_us / plain_us,
-        "added_us": wrapped_us - plain_us,
+        "plain_us": us["plain"],
+        "wrapped_us": us["wrapped"],
+        "ratio": us["wrapped"] / us["plain"],
+        "added_us": us["wrapped"] - us["plain"],
+        "exact_us": us["exact"],
     }
+    if "triton_run" in us:
+        row["triton_run_us"] = us["triton_run"]
+        row["triton_run_added_us"] = us["triton_run"] - us["plain"]
+    return profile, row
 
 
 def run(argv=None) -> list[dict]:
@@ -211,7 +248,11 @@ def run(argv=None) -> list[dict]:
             f"({row['ratio']:.2f}x)")  # fmt: skip
     cols = [("kind", "op", "s"), ("plain_us", "plain us", ".0f"),
             ("wrapped_us", "mesa_lite us", ".0f"), ("ratio", "ratio", ".2f"),
-            ("added_us", "added us", ".0f")]  # fmt: skip
+            ("added_us", "added us", ".0f"),
+            ("exact_us", "mesa_lite exact us", ".0f")]  # fmt: skip
+    if any("triton_run_us" in r for r in rows):  # the launch path before, same run
+        cols += [("triton_run_us", "mesa_lite us, Triton's launcher", ".0f"),
+                 ("triton_run_added_us", "added us, Triton's launcher", ".0f")]  # fmt: skip
     precision = "fp32 (no autocast)" if args.dtype == "fp32" else f"{args.dtype} autocast"
     head = (
         f"Host time per op, forward + backward, input {args.batch_size}x{args.tokens}x"

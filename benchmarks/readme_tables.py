@@ -149,13 +149,13 @@ def _deit(src: _Sources) -> list[str]:
     models = [
         ("DeiT-Ti", ("deit_speed_gpu", dict(model="deit_tiny_patch16_224", label="plain"),
                      dict(model="deit_tiny_patch16_224", label="mesa int8")),
-         ("deit_speed_gpu", "label", "plain", "mesa int8", "deit_tiny_patch16_224")),
+         ("eager_speed_vit_gpu", "row", "plain", "mesa int8", "deit_tiny_patch16_224")),
         ("DeiT-S", ("deit_s_compile_gpu", dict(label="plain"), dict(label="mesa int8")),
-         ("compile_speed_s", "row", "plain", "mesa int8", "deit_small_patch16_224")),
+         ("eager_speed_vit_gpu", "row", "plain", "mesa int8", "deit_small_patch16_224")),
         ("DeiT-B", ("checkpoint_pareto_gpu_repeats",
                     dict(model="deit_base_patch16_224", point="plain"),
                     dict(model="deit_base_patch16_224", point="int8")),
-         ("compile_speed_b_flash", "row", "plain", "mesa int8", "deit_base_patch16_224")),
+         ("eager_speed_vit_gpu", "row", "plain", "mesa int8", "deit_base_patch16_224")),
     ]  # fmt: skip
     rows = []
     for label, (pfile, pplain, pmesa), (sfile, key, splain, smesa, model) in models:

@@ -3,7 +3,7 @@
 # Run from the repository root on a GPU machine; writes logs and results under $OUT (default
 # ./out, a fixed folder: the GPU results committed in benchmarks/results/ were copied from it).
 #   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|main|coverage|speed-compiled|
-#     speed-compiled-options|speed-compiled-others|speed-eager|speed-tests|kernel-bw|kernel-tests|
+#     speed-compiled-options|speed-compiled-others|speed-eager|speed-tests|kernel-bw|kernel-tests|launch|
 #     compile-check|llm-compiled|cnn|llm|text|dist|all]
 #   [extra deit_memory args...]
 # suite: the whole test suite (CPU and CUDA parametrizations), in parallel processes.
@@ -103,6 +103,31 @@ if [[ $what == kernel-bw ]]; then
     "$OUT/quant_tuning_after_gpu.md"
   python3 benchmarks/quant_bandwidth.py --out "$OUT/quant_bandwidth_gpu" 2>&1 | tail -n 5
   python3 benchmarks/kernels.py --out "$OUT/kernels_gpu" 2>&1 | grep -E "^\| deit_base"
+fi
+if [[ $what == launch ]]; then
+  # issue 40: the static launch path checked on CUDA first (bit for bit against the JIT
+  # launch), then host time per call and per op (the static launcher against Triton's own,
+  # same run), the eager rows (ViTs, CNNs against checkpointing: medians of 3 interleaved
+  # passes) and the eager language-model rows; everything in one archive (8 files come back)
+  W="$OUT/launch"
+  mkdir -p "$W"
+  timeout 240 python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/kernels/test_fused.py \
+    -k static > "$W/static_launch_tests.txt" 2>&1
+  tail -n 2 "$W/static_launch_tests.txt"
+  python3 benchmarks/kernels.py --models deit_base --out "$W/kernels_gpu" 2>&1 | grep -E "host us"
+  python3 benchmarks/overhead.py --dtype fp16 --kinds linear layernorm gelu attention block \
+    --profile 25 --out "$W/overhead_gpu" 2>&1 | grep "^| "
+  python3 benchmarks/compile_speed.py --models deit_tiny_patch16_224 deit_small_patch16_224 \
+    deit_base_patch16_224 swin_tiny_patch4_window7_224 convnext_tiny \
+    --rows plain "mesa int8" "mesa int8, Triton's launcher" --out "$W/eager_speed_vit" 2>&1 \
+    | grep "^| [a-z]"
+  python3 benchmarks/compile_speed.py --models resnet50 efficientnet_b0 --batch-size 256 \
+    --rows plain ckpt "mesa int8, opt-in kinds" --out "$W/eager_speed_cnn" 2>&1 | grep "^| [a-z]"
+  python3 benchmarks/llm_memory.py --models gpt2 --batch 8 --seq 1024 --modes plain int8 \
+    --out "$W/llm_eager_gpt2" 2>&1 | grep -E "^\| gpt2"
+  python3 benchmarks/llm_memory.py --models llama-1b --batch 4 --seq 2048 --modes plain int8 \
+    --out "$W/llm_eager_llama" 2>&1 | grep -E "^\| llama"
+  tar czf "$OUT/launch_results.tgz" -C "$W" . && rm -rf "$W"
 fi
 if [[ $what == kernel-tests ]]; then
   # the kernel tests on CUDA (compiled kernels against their references), four processes

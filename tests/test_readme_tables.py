@@ -72,14 +72,14 @@ def test_the_readme_is_under_350_lines():
 
 
 def test_an_altered_figure_fails_naming_the_table():
-    # DeiT-S's step ratio in the deit table, from compile_speed_s.jsonl (35.7 / 52.4 ms)
+    # DeiT-S's step ratio in the deit table, from eager_speed_vit_gpu.jsonl (32.3 / 51.3 ms)
     row = next(line for line in README.splitlines() if line.startswith("| DeiT-S | 4,699 |"))
-    assert "| 1.47x |" in row
-    altered = README.replace(row, row.replace("| 1.47x |", "| 1.46x |"))
+    assert "| 1.59x |" in row
+    altered = README.replace(row, row.replace("| 1.59x |", "| 1.58x |"))
     problems = readme_tables.check(altered)
     assert len(problems) == 1
     assert problems[0].startswith("table 'deit' differs"), problems[0]
-    assert "1.46x" in problems[0] and "1.47x" in problems[0]
+    assert "1.58x" in problems[0] and "1.59x" in problems[0]
 
 
 def test_an_altered_figure_in_the_results_doc_fails_naming_the_table():
@@ -206,13 +206,16 @@ def test_the_command_rewrites_both_documents(tmp_path):
 
 # --- inline figures in the prose --------------------------------------------------------------
 
-EAGER_S = "<!-- fig:compile_speed_s:row=mesa int8:step_ratio:x -->1.47x<!-- /fig -->"
+EAGER_S = (
+    "<!-- fig:eager_speed_vit_gpu:model=swin_tiny_patch4_window7_224&row=mesa int8:step_ratio:x -->"
+    "1.39x<!-- /fig -->"
+)
 
 
 def test_the_readme_has_inline_figures_and_they_match():
     assert README.count("<!-- fig:") >= 25
     assert README.count("<!-- fig:") == README.count("<!-- /fig -->")
-    assert EAGER_S in README  # DeiT-S eager step ratio in Limits, compile_speed_s.jsonl
+    assert EAGER_S in README  # Swin-T's eager step ratio in Limits, eager_speed_vit_gpu.jsonl
     assert readme_tables._check_figures(README, ROOT) == []
 
 
@@ -224,13 +227,13 @@ def test_the_results_doc_has_inline_figures_and_they_match():
 
 def test_an_altered_inline_figure_fails_naming_it_and_its_line():
     line = README[: README.index(EAGER_S)].count("\n") + 1
-    altered = README.replace(EAGER_S, EAGER_S.replace("1.47x", "1.48x"))
+    altered = README.replace(EAGER_S, EAGER_S.replace("1.39x", "1.40x"))
     problems = readme_tables.check(altered)
     assert len(problems) == 1, problems
     msg = problems[0]
     assert msg.startswith(f"figure differs from the results files at README.md line {line}:"), msg
-    assert "<!-- fig:compile_speed_s:row=mesa int8:step_ratio:x -->" in msg
-    assert "'1.48x'" in msg and "'1.47x'" in msg
+    assert EAGER_S.split("-->")[0] + "-->" in msg
+    assert "'1.40x'" in msg and "'1.39x'" in msg
     assert readme_tables.update(altered) == README
 
 
@@ -246,14 +249,15 @@ def test_a_selection_matching_no_row_fails_naming_the_marker():
     bad = EAGER_S.replace("row=mesa int8", "row=mesa int9")
     problems = readme_tables.check(README.replace(EAGER_S, bad))
     assert len(problems) == 1, problems
-    assert "<!-- fig:compile_speed_s:row=mesa int9:step_ratio:x -->" in problems[0]
-    assert "0 rows of compile_speed_s.jsonl match {'row': 'mesa int9'}, expected 1" in problems[0]
+    assert "row=mesa int9:step_ratio:x -->" in problems[0]
+    assert "0 rows of eager_speed_vit_gpu.jsonl match" in problems[0], problems
+    assert "'row': 'mesa int9'" in problems[0] and "expected 1" in problems[0], problems
 
 
 def test_a_selection_matching_several_rows_or_a_missing_close_fails():
     several = EAGER_S.replace("row=mesa int8", "row=mesa int8|plain")
     problems = readme_tables.check(README.replace(EAGER_S, several))
-    assert "2 rows of compile_speed_s.jsonl match" in problems[0], problems
+    assert "2 rows of eager_speed_vit_gpu.jsonl match" in problems[0], problems
     unclosed = README.replace(EAGER_S, EAGER_S.replace("<!-- /fig -->", ""))
     assert "no <!-- /fig -->" in readme_tables.check(unclosed)[0]
 
