@@ -147,12 +147,14 @@ def _check_quantize_args(
 ) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(
-            f"quantize: x.dtype must be one of float32, float16, bfloat16, got {x.dtype}"
-        )
+    _check_quantize_setting(x.dtype, group_size, bits, positive, signed, normalize is not None)
+
+
+def _check_quantize_setting(dtype, group_size: int, bits: int, positive, signed, normalized):
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"quantize: x.dtype must be one of float32, float16, bfloat16, got {dtype}")
     _check_bits_group(bits, group_size, "quantize")
-    if positive and (bits == 2 or signed or normalize is not None):
+    if positive and (bits == 2 or signed or normalized):
         raise ValueError("quantize: positive codes are unsigned 8- or 4-bit codes of x itself")
 
 
@@ -164,14 +166,23 @@ def _check_dequantize_args(
     bits: int,
     numel: int,
 ) -> None:
+    _check_dequantize_setting(codes.dtype, scales.dtype, dtype, group_size, bits)
+    _check_sizes(codes, scales, group_size, bits, numel)
+
+
+def _check_dequantize_setting(codes_dtype, scales_dtype, dtype, group_size: int, bits: int):
     _check_bits_group(bits, group_size, "dequantize")
     allowed = (torch.int8, torch.uint8) if bits == 8 else (torch.uint8,)
-    if codes.dtype not in allowed:
-        raise TypeError(f"dequantize: {bits}-bit codes must be {allowed}, got {codes.dtype}")
-    if scales.dtype != torch.float32:
-        raise TypeError(f"dequantize: scales must be float32, got {scales.dtype}")
+    if codes_dtype not in allowed:
+        raise TypeError(f"dequantize: {bits}-bit codes must be {allowed}, got {codes_dtype}")
+    if scales_dtype != torch.float32:
+        raise TypeError(f"dequantize: scales must be float32, got {scales_dtype}")
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"dequantize: dtype must be float32, float16 or bfloat16, got {dtype}")
+
+
+def _check_sizes(codes, scales, group_size: int, bits: int, numel: int) -> int:
+    """The number of groups of ``numel`` elements, checked against the codes and scales."""
     if codes.numel() != n_code_bytes(numel, bits):
         raise ValueError(
             f"dequantize: {numel} elements at {bits} bits need {n_code_bytes(numel, bits)} "
@@ -183,6 +194,7 @@ def _check_dequantize_args(
             f"dequantize: {numel} elements in groups of {group_size} need {expected} "
             f"scales, got {scales.numel()}"
         )
+    return expected
 
 
 if HAS_TRITON:
@@ -559,6 +571,33 @@ if HAS_TRITON:
     _DEQUANTIZE_PACKED = Launcher(_dequantize_kernel, num_warps=2)
 
 
+@functools.lru_cache(maxsize=256, typed=True)
+def _quantize_plan(dtype, group_size, bits, positive, signed, normalized, stochastic) -> tuple:
+    """``(code dtype, launcher, ROWS, the constexpr arguments)`` of a quantize setting, its
+    arguments checked (raises as ``_check_quantize_args``)."""
+    _check_quantize_setting(dtype, group_size, bits, positive, signed, normalized)
+    if not HAS_TRITON:
+        return _code_dtype(signed, bits), None, 1, ()
+    rows, block = _launch_shape(group_size, bits)
+    qmin, qmax = qrange(signed, bits)
+    tail = (qmin, qmax, bits, per_byte(bits), stochastic, normalized, positive,
+            group_size <= block, not INTERPRETING, rows, block)  # fmt: skip
+    launcher = _QUANTIZE if bits == 8 else _QUANTIZE_PACKED
+    return _code_dtype(signed, bits), launcher, rows, tail
+
+
+@functools.lru_cache(maxsize=256, typed=True)
+def _dequantize_plan(codes_dtype, scales_dtype, dtype, group_size, bits, signed) -> tuple:
+    """``(launcher, ROWS, QMIN, the constexpr arguments after EPI..MID)`` of a dequantize
+    setting, its arguments checked (raises as ``_check_dequantize_args``, but the sizes)."""
+    _check_dequantize_setting(codes_dtype, scales_dtype, dtype, group_size, bits)
+    if not HAS_TRITON:
+        return None, 1, 0, ()
+    rows, block = _launch_shape(group_size, bits)
+    launcher = _DEQUANTIZE if bits == 8 else _DEQUANTIZE_PACKED
+    return launcher, rows, qrange(signed, bits)[0], (not INTERPRETING, rows, block)
+
+
 def quantize(
     x: torch.Tensor,
     group_size: int = 128,
@@ -590,7 +629,12 @@ def quantize(
         ``(codes, scales)``: flat codes (``x.numel()`` bytes at 8 bits, packed below), and
         fp32 scales, one per group.
     """
-    _check_quantize_args(x, group_size, bits, positive, signed, normalize)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize: x must be a torch.Tensor, got {type(x).__name__}")
+    # the checks and launch constants of this setting, once (host time on every call)
+    code_dtype, launcher, rows, tail = _quantize_plan(
+        x.dtype, group_size, bits, positive, signed, normalize is not None, stochastic
+    )
     row_len = 1 if normalize is None else _check_normalize(normalize, x.numel())
     if stochastic and x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
@@ -606,21 +650,18 @@ def quantize(
     if not x.is_contiguous():  # the kernel reads a dense row-major block (no view needed)
         x = x.contiguous()
     n = x.numel()
-    ng = n_groups_of(n, group_size)
-    codes = torch.empty(n_code_bytes(n, bits), dtype=_code_dtype(signed, bits), device=x.device)
-    scales = torch.empty(ng, dtype=torch.float32, device=x.device)
+    ng = (n + group_size - 1) // group_size
+    device = x.device
+    codes = torch.empty(n if bits == 8 else n_code_bytes(n, bits), dtype=code_dtype, device=device)
+    scales = torch.empty(ng, dtype=torch.float32, device=device)
     if n == 0:
         return codes, scales
     mean, rstd = (x, x) if normalize is None else (t.contiguous() for t in normalize)
-    qmin, qmax = qrange(signed, bits)
     # The Philox seed: reproducible under torch.manual_seed, no draw from torch's generators.
     seed = next_rounding_seed() if stochastic else 0
-    rows, block = _launch_shape(group_size, bits)
-    (_QUANTIZE if bits == 8 else _QUANTIZE_PACKED)(
+    launcher(
         ((ng + rows - 1) // rows,),  # not triton.cdiv: a constexpr function, ~8 us a call
-        x, codes, scales, mean, rstd, n, ng, group_size, row_len, seed,
-        qmin, qmax, bits, per_byte(bits), stochastic, normalize is not None, positive,
-        group_size <= block, not INTERPRETING, rows, block,
+        x, codes, scales, mean, rstd, n, ng, group_size, row_len, seed, *tail,
     )  # fmt: skip
     return codes, scales
 
@@ -729,7 +770,10 @@ def dequantize(
         A flat, contiguous tensor with ``numel`` elements.
     """
     numel, signed = _resolve_layout(codes, bits, signed, numel)
-    _check_dequantize_args(codes, scales, group_size, dtype, bits, numel)
+    launcher, rows, qmin, tail = _dequantize_plan(
+        codes.dtype, scales.dtype, dtype, group_size, bits, signed
+    )
+    ng = _check_sizes(codes, scales, group_size, bits, numel)
     if use_triton is None:
         use_triton = use_triton_for(codes)
     if not use_triton:
@@ -740,20 +784,17 @@ def dequantize(
     if numel == 0:
         return out
     if epilogue is None:
-        epi, p1, p2, row_len, has1, has2, mid = 0, None, None, 1, False, False, 0
+        epi, p1, p2, row_len, has1, has2, mid = 0, codes, codes, 1, False, False, 0
     else:
         epi, p1, p2, row_len, has1, has2, mid = _epilogue_args(epilogue, numel, dtype)
-    p1 = codes if p1 is None else p1.contiguous()
-    p2 = codes if p2 is None else p2.contiguous()
+        p1 = codes if p1 is None else p1.contiguous()
+        p2 = codes if p2 is None else p2.contiguous()
     bf16 = dtype == torch.bfloat16
-    ng = n_groups_of(numel, group_size)
-    rows, block = _launch_shape(group_size, bits)
-    (_DEQUANTIZE if bits == 8 else _DEQUANTIZE_PACKED)(
+    launcher(
         ((ng + rows - 1) // rows,),  # not triton.cdiv: a constexpr function, ~8 us a call
-        codes, scales.contiguous(), out.view(torch.int16) if bf16 else out, p1, p2,
-        numel, ng, group_size, row_len,
-        qrange(signed, bits)[0], bits, per_byte(bits), bf16, epi, has1, has2, mid,
-        not INTERPRETING, rows, block,
+        codes, scales if scales.is_contiguous() else scales.contiguous(),
+        out.view(torch.int16) if bf16 else out, p1, p2, numel, ng, group_size, row_len,
+        qmin, bits, per_byte(bits), bf16, epi, has1, has2, mid, *tail,
     )  # fmt: skip
     return out
 

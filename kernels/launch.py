@@ -76,11 +76,12 @@ _ARG_TYPES = {
 }  # fmt: skip
 
 
-def static_entry(kernel, n_args: int) -> tuple | None:
+def static_entry(kernel, n_args: int, tensors: tuple = ()) -> tuple | None:
     """How the static launcher launches ``kernel`` (a Triton ``CompiledKernel`` of a
-    ``@triton.jit`` function with ``n_args`` parameters): ``(function, num_warps, shared,
-    argument types, slots, trailing Nones)``, ``slots`` holding ``(position, is_pointer)`` of
-    each runtime argument; None where it cannot (no static launcher, an unknown argument type,
+    ``@triton.jit`` function with ``n_args`` parameters, ``tensors`` the positions of its
+    tensor arguments): ``(function, num_warps, shared, argument types, slots, trailing
+    Nones)``, ``slots`` holding ``(position, index in tensors)`` of each runtime argument
+    (-1 for a scalar); None where it cannot (no static launcher, an unknown argument type,
     scratch memory, clusters, cooperative or programmatic-dependent launches, tensor
     descriptors): the caller then keeps Triton's own ``run``."""
     if _STATIC_LAUNCH is None:
@@ -104,11 +105,13 @@ def static_entry(kernel, n_args: int) -> tuple | None:
         if ty == "constexpr" or name in constants or (i,) in constants or i in constants:
             continue
         if ty.startswith("*"):
+            if i not in tensors:
+                return None
             types.append("O")
-            slots.append((i, True))
+            slots.append((i, tensors.index(i)))
         elif ty in _ARG_TYPES:
             types.append(_ARG_TYPES[ty])
-            slots.append((i, False))
+            slots.append((i, -1))
         else:
             return None
     trailing = 0  # newer Triton passes its scratch buffers last: None when a kernel needs none
@@ -160,15 +163,19 @@ class Launcher:
                 const.append(i)
         return tuple(const), tuple(tensors), tuple(ints)
 
-    def key(self, args, device: int | None = None) -> tuple:
-        """The specialization key of ``args`` (the device: the first tensor's, unless given)."""
+    def key(self, args, device: int | None = None, ptrs=None) -> tuple:
+        """The specialization key of ``args`` (the device: the first tensor's, unless given;
+        ``ptrs``: the tensors' ``data_ptr()`` in order, when the caller has them)."""
         if self._parts is None:
             self._parts = self._partition(args)
         const, tensors, ints = self._parts
+        if ptrs is None:
+            ptrs = [args[i].data_ptr() for i in tensors]
         return (
             args[0].get_device() if device is None else device,
             tuple([args[i] for i in const]),
-            tuple([(args[i].dtype, not args[i].data_ptr() % 16) for i in tensors]),
+            tuple([args[i].dtype for i in tensors]),
+            tuple([not p % 16 for p in ptrs]),
             tuple([(args[i] == 1, not args[i] % 16, -2147483648 <= args[i] <= 2147483647)
                    for i in ints]),
         )  # fmt: skip
@@ -181,7 +188,10 @@ class Launcher:
                 return self(grid, *args)
         fast = device >= 0 and self.direct and self._constexpr is not None
         if fast:
-            key = self.key(args, device)
+            if self._parts is None:
+                self._parts = self._partition(args)
+            ptrs = [args[i].data_ptr() for i in self._parts[1]]  # once: key and launch
+            key = self.key(args, device, ptrs)
             entry = self._cache.get(key)
             if entry is not None and not _hooked():
                 stream = torch._C._cuda_getCurrentRawStream(device)
@@ -190,7 +200,8 @@ class Launcher:
                 static, run, function, metadata = entry
                 if static is not None and self.static:
                     function, warps, shared, types, slots, trailing = static
-                    values = [args[i].data_ptr() if ptr else args[i] for i, ptr in slots]
+                    # a slot: (position, index among the tensors, or -1 for a scalar)
+                    values = [ptrs[j] if j >= 0 else args[i] for i, j in slots]
                     _STATIC_LAUNCH(function, grid[0], gy, gz, warps, shared, types,
                                    (*values, *trailing), stream)  # fmt: skip
                     self.launches[0] += 1
@@ -201,5 +212,6 @@ class Launcher:
         kernel = self.fn[grid](*args, **self._options)
         if fast and not INTERPRETING and hasattr(kernel, "packed_metadata"):
             run = kernel.run  # first: binds Triton's launcher (and the function handle) now
-            entry = (static_entry(kernel, len(args)), run, kernel.function, kernel.packed_metadata)
+            static = static_entry(kernel, len(args), self._parts[1])
+            entry = (static, run, kernel.function, kernel.packed_metadata)
             self._cache[key] = entry

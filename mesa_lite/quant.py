@@ -31,7 +31,7 @@ import torch
 
 from mesa_lite.config import QuantSpec
 from mesa_lite.kernels import group_quant
-from mesa_lite.kernels.launch import use_triton
+from mesa_lite.kernels.launch import HAS_TRITON, use_triton
 
 __all__ = ["Packed", "quantize", "dequantize", "share", "lookup_shared", "save", "load"]
 
@@ -146,17 +146,21 @@ def quantize(
         if normalize is not None:
             raise ValueError("quant.quantize: normalize needs a compressed spec")
         return Packed(x, None, x.shape, x.dtype, spec, signed)
-    if torch.compiler.is_compiling() and _decomposed(spec, x.numel()):
+    compiling = torch.compiler.is_compiling()
+    if compiling and _decomposed(spec, x.numel()):
         codes, scales = group_quant.quantize_ref(
             x, spec.group_size, signed, False, spec.bits, normalize
         )
-    elif torch.compiler.is_compiling():
+    elif compiling:
         mean, rstd = (None, None) if normalize is None else normalize
         codes, scales = torch.ops.mesa_lite.quantize(
             x, spec.group_size, signed, spec.stochastic, spec.bits, mean, rstd
         )
-    else:
-        codes, scales = _quantize(x, spec.group_size, signed, spec.stochastic, spec.bits, normalize)
+    else:  # eager: the kernels for CUDA tensors (use_triton without asking again)
+        codes, scales = group_quant.quantize(
+            x, spec.group_size, signed=signed, stochastic=spec.stochastic,
+            use_triton=HAS_TRITON and x.is_cuda, bits=spec.bits, normalize=normalize,
+        )  # fmt: skip
     dtype = x.dtype if normalize is None else torch.float32
     return Packed(codes, scales, x.shape, dtype, spec, signed)
 
@@ -167,7 +171,8 @@ def stored(p: Packed, dtype: torch.dtype, epilogue: tuple | None = None) -> torc
     if p.spec.exact:
         return p.codes.to(dtype)
     numel = _prod(p.shape)
-    if torch.compiler.is_compiling() and _decomposed(p.spec, numel):
+    compiling = torch.compiler.is_compiling()
+    if compiling and _decomposed(p.spec, numel):
         # The codes pass through unfold (a view: no copy, no kernel) so that the Inductor
         # partitioner counts them as materialized in backward: it then weighs them at their
         # size, not twice it, and keeps them for backward rather than a full-precision tensor
@@ -176,14 +181,16 @@ def stored(p: Packed, dtype: torch.dtype, epilogue: tuple | None = None) -> torc
         return group_quant.dequantize_ref(
             codes, p.scales, p.spec.group_size, dtype, p.spec.bits, p.signed, numel, epilogue
         )
-    if torch.compiler.is_compiling():
+    if compiling:
         kind, approximate, t1, t2, mid = _epilogue_op_args(epilogue, dtype)
         return torch.ops.mesa_lite.dequantize(
             p.codes, p.scales, p.spec.group_size, dtype, p.spec.bits, p.signed, numel,
             kind, approximate, mid, t1, t2,
         )  # fmt: skip
-    return _dequantize(p.codes, p.scales, p.spec.group_size, dtype, p.spec.bits, p.signed, numel,
-                       epilogue)  # fmt: skip
+    return group_quant.dequantize(
+        p.codes, p.scales, p.spec.group_size, dtype, use_triton=HAS_TRITON and p.codes.is_cuda,
+        bits=p.spec.bits, signed=p.signed, numel=numel, epilogue=epilogue,
+    )  # fmt: skip
 
 
 def dequantize(p: Packed, dtype: torch.dtype | None = None) -> torch.Tensor:

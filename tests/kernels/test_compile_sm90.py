@@ -89,7 +89,7 @@ for fn, (sig, cx, expected) in ((gq._quantize_kernel, quantize),
                                 (gq._dequantize_kernel, dequantize)):
     k = triton.compile(ASTSource(fn=fn, signature={**sig, **dict.fromkeys(cx, "constexpr")},
                                  constexprs=cx), target=GPUTarget("cuda", 90, 32))
-    entry = launch.static_entry(k, len(fn.arg_names))
+    entry = launch.static_entry(k, len(fn.arg_names), tuple(range(5)))
     types = entry[3]
     assert types.startswith(expected), (types, expected)
     ptx = k.asm["ptx"]
