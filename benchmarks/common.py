@@ -4,6 +4,7 @@ CPU's bf16 support, run folders, progress bars, environment facts, timing, outpu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import json
@@ -395,6 +396,22 @@ def host_us_per_call(calls: dict, reps: int = 2000) -> dict:
         torch.cuda.synchronize()
         out[name] = (time.perf_counter() - t) / reps * 1e6
     return out
+
+
+@contextlib.contextmanager
+def launcher_switches(**switches):
+    """mesa_lite's kernel Launcher with its class switches set (``static=False``: kept kernels
+    through Triton's own launcher, the path before the static one; ``direct=False``: every
+    launch through ``kernel[grid]``), restored to on afterwards."""
+    from mesa_lite.kernels.launch import Launcher
+
+    for name, value in switches.items():
+        setattr(Launcher, name, value)
+    try:
+        yield
+    finally:
+        for name in switches:
+            setattr(Launcher, name, True)
 
 
 def sync(device: torch.device) -> None:

@@ -53,6 +53,7 @@ from .common import (
     add_out_argument,
     argument_parser,
     environment,
+    launcher_switches,
     lazy_import,
     markdown_table,
     positive_int,
@@ -64,7 +65,6 @@ torch = lazy_import("torch")
 F = lazy_import("torch.nn.functional")
 quant = lazy_import("mesa_lite.quant")
 mesa_lite = lazy_import("mesa_lite")
-launch = lazy_import("mesa_lite.kernels.launch")
 
 MIB = 2**20
 # name: (mode, torch.compile mode or None for eager, COMPILE_FORM, Inductor options, functorch
@@ -161,9 +161,8 @@ class _Row:
     def step(self, x, y):
         if self.form is not None:  # read while tracing; guarded, so set it for every call
             quant.COMPILE_FORM = self.form
-        launch.Launcher.static = self.static
         with contextlib.ExitStack() as stack:
-            stack.callback(setattr, launch.Launcher, "static", True)
+            stack.enter_context(launcher_switches(static=self.static))
             for option, value in self.patches:  # read while compiling
                 stack.enter_context(torch._functorch.config.patch({option: value}))
             self.opt.zero_grad(set_to_none=True)

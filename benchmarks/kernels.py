@@ -29,6 +29,7 @@ from .common import (
     cuda_median_ms,
     environment,
     host_us_per_call,
+    launcher_switches,
     lazy_import,
     markdown_table,
     positive_int,
@@ -39,7 +40,6 @@ from .common import (
 
 torch = lazy_import("torch")
 gq = lazy_import("mesa_lite.kernels.group_quant")
-launch = lazy_import("mesa_lite.kernels.launch")
 
 WIDTHS = {"deit_tiny": 192, "deit_small": 384, "deit_base": 768}
 
@@ -133,16 +133,10 @@ def host_us_per_launch() -> dict:
         "dequantize": lambda: gq.dequantize(codes, scales, 128, torch.float16),
     }
     out = host_us_per_call({"torch.add": lambda: x.add(1), **calls})
-    launch.Launcher.static = False
-    try:
+    with launcher_switches(static=False):
         out.update({f"{k} (Triton's launcher)": v for k, v in host_us_per_call(calls).items()})
-    finally:
-        launch.Launcher.static = True
-    launch.Launcher.direct = False
-    try:
+    with launcher_switches(direct=False):
         out.update(host_us_per_call({"quantize (kernel[grid])": lambda: gq.quantize(x, 128)}))
-    finally:
-        launch.Launcher.direct = True
     out["static launches"] = gq._QUANTIZE.launches[0] + gq._DEQUANTIZE.launches[0]
     return out
 

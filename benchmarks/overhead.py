@@ -56,6 +56,7 @@ from .common import (
     argument_parser,
     autocast,
     environment,
+    launcher_switches,
     lazy_import,
     markdown_table,
     positive_int,
@@ -186,19 +187,6 @@ def _time_us(variants: dict, args, device) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-@contextlib.contextmanager
-def _triton_run():
-    """Kept kernels launched by Triton's own launcher instead of the static one (the launch
-    path before; kernels/launch.py)."""
-    from mesa_lite.kernels.launch import Launcher
-
-    Launcher.static = False
-    try:
-        yield
-    finally:
-        Launcher.static = True
-
-
 def measure(kind: str, args) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -215,7 +203,7 @@ def measure(kind: str, args) -> dict:
                 "wrapped": (wrapped, inputs, contextlib.nullcontext),
                 "exact": (exact, inputs, contextlib.nullcontext)}  # fmt: skip
     if device.type == "cuda":
-        variants["triton_run"] = (wrapped, inputs, _triton_run)
+        variants["triton_run"] = (wrapped, inputs, lambda: launcher_switches(static=False))
     us = _time_us(variants, args, device)
     profile = _profile(wrapped, inputs, args, device) if args.profile else None
     row = {

@@ -650,10 +650,9 @@ def quantize(
     if not x.is_contiguous():  # the kernel reads a dense row-major block (no view needed)
         x = x.contiguous()
     n = x.numel()
-    ng = (n + group_size - 1) // group_size
-    device = x.device
-    codes = torch.empty(n if bits == 8 else n_code_bytes(n, bits), dtype=code_dtype, device=device)
-    scales = torch.empty(ng, dtype=torch.float32, device=device)
+    ng = n_groups_of(n, group_size)
+    codes = torch.empty(n_code_bytes(n, bits), dtype=code_dtype, device=x.device)
+    scales = torch.empty(ng, dtype=torch.float32, device=x.device)
     if n == 0:
         return codes, scales
     mean, rstd = (x, x) if normalize is None else (t.contiguous() for t in normalize)
@@ -792,7 +791,7 @@ def dequantize(
     bf16 = dtype == torch.bfloat16
     launcher(
         ((ng + rows - 1) // rows,),  # not triton.cdiv: a constexpr function, ~8 us a call
-        codes, scales if scales.is_contiguous() else scales.contiguous(),
+        codes, scales.contiguous(),
         out.view(torch.int16) if bf16 else out, p1, p2, numel, ng, group_size, row_len,
         qmin, bits, per_byte(bits), bf16, epi, has1, has2, mid, *tail,
     )  # fmt: skip
