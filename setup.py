@@ -3,9 +3,24 @@
 import re
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 _here = Path(__file__).parent
+
+# kernels/ and benchmarks/ live at the top of the repository but install inside mesa_lite, so
+# there is no top-level `kernels` or `benchmarks` import after install (Hugging Face's `kernels`
+# package, which transformers imports, keeps its name).
+_INSIDE = {"mesa_lite.kernels": "kernels", "mesa_lite.benchmarks": "benchmarks"}
+
+
+def _packages() -> list[str]:
+    """Every package of the tree, found rather than listed: mesa_lite's and those _INSIDE it."""
+    found = find_packages(include=["mesa_lite", "mesa_lite.*"])
+    for name, folder in _INSIDE.items():
+        found += [name + p[len(folder) :] for p in find_packages(include=[folder, f"{folder}.*"])]
+    return sorted(found)
+
+
 _version = re.search(
     r'^__version__ = "([^"]+)"', (_here / "mesa_lite" / "__init__.py").read_text(), re.M
 ).group(1)
@@ -17,10 +32,8 @@ setup(
     long_description=(_here / "README.md").read_text(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["mesa_lite", "mesa_lite.integrations", "mesa_lite.kernels", "mesa_lite.benchmarks"],
-    # kernels/ and benchmarks/ live at the top of the repository but install inside mesa_lite,
-    # so there is no top-level `kernels` or `benchmarks` import after install.
-    package_dir={"mesa_lite.kernels": "kernels", "mesa_lite.benchmarks": "benchmarks"},
+    packages=_packages(),  # tests/test_packaging.py checks the wheel and sdist against the tree
+    package_dir=_INSIDE,
     install_requires=[
         "torch>=2.11",  # the oldest tested (README)
         # Triton ships with torch's Linux builds; elsewhere the PyTorch reference runs.
@@ -36,9 +49,8 @@ setup(
             # the benchmark scripts' tests draw their charts and progress bars
             "matplotlib",
             "tqdm",
-            # the Hugging Face integration's tests: 5.17 is the GPU image's, 5.23 the newest
-            # tested (newer releases are not)
-            "transformers>=5.0,<5.24",
+            # the Hugging Face integration's tests: CI runs 5.17 (the GPU image's) and the newest
+            "transformers>=5.0",
             # the Hugging Face Trainer recipe's test: the Trainer cannot run without it
             "accelerate>=1.1",
             # the LoRA recipe's test (PEFT on a wrapped model, either order)
@@ -50,8 +62,7 @@ setup(
             "tqdm",
             "matplotlib",
             "scikit-learn>=1.0",
-            # as in test: 5.17 is the GPU image's, 5.23 the newest tested
-            "transformers>=5.0,<5.24",
+            "transformers>=5.0",  # as in test
         ],  # fmt: skip
         "dev": ["ruff>=0.4", "pytest>=7", "hypothesis>=6", "timm>=1.0", "torchvision"],
     },

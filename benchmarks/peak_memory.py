@@ -21,11 +21,9 @@ import argparse
 import gc
 import sys
 from collections import defaultdict
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: import the rest as the benchmarks package
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    __package__ = "benchmarks"
+if __package__ in (None, ""):  # run as a script: import the rest from the installed package
+    __package__ = "mesa_lite.benchmarks"
 
 from .common import (
     DTYPE_NAMES,

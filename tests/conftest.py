@@ -6,8 +6,16 @@ Triton is first imported (timm imports it), hence here.
 """
 
 import os
+import sys
+from pathlib import Path
 
-import torch
+# The tests import mesa_lite as installed, never from the repository root: there the folder
+# kernels/ (installed as mesa_lite.kernels) would hide the `kernels` package (Hugging Face's, which
+# transformers 5.24+ imports). `python -m pytest` puts the working directory first on sys.path.
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or os.curdir).resolve() != _ROOT]
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -64,7 +64,7 @@ def test_cpu_activations_are_the_unique_saved_storages_plus_the_loss():
 
 
 def test_wrapped_tiny_gpt2_keeps_fewer_activations():
-    from benchmarks import llm_memory
+    from mesa_lite.benchmarks import llm_memory
 
     config = llm_memory.make_config("tiny-gpt2")
     ids, labels = llm_memory.make_inputs(config, 2, 16, "cpu")
@@ -151,7 +151,7 @@ def test_hf_terms_under_autocast_with_fp32_parameters():
 def test_fp32_estimate_matches_the_cpu_count(name):
     """Without autocast or dropout, eager attention: what the CPU forward saves for backward is
     the estimate, to the loss's two 0-dim tensors (the loss and nll_loss's total weight)."""
-    from benchmarks import llm_memory
+    from mesa_lite.benchmarks import llm_memory
 
     config = llm_memory.make_config(name)
     for key in ("attn_pdrop", "resid_pdrop", "embd_pdrop", "hidden_dropout_prob",
@@ -166,7 +166,7 @@ def test_fp32_estimate_matches_the_cpu_count(name):
 
 
 def test_llm_memory_cli_on_cpu(tmp_path):
-    from benchmarks import llm_memory
+    from mesa_lite.benchmarks import llm_memory
 
     out = tmp_path / "lm"
     argv = "--device cpu --models tiny-gpt2 --modes plain int8 --steps 1 --warmup 0 --dtype fp32"

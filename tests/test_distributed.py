@@ -245,7 +245,7 @@ def _fsdp_checks(rank, world) -> dict:
 def _train_deit_checks(tmp: str) -> dict:
     """benchmarks/train_deit.py --dist ddp and fsdp in this process group (as under torchrun):
     a few steps, a checkpoint, and an FSDP2 resume from its torch.distributed.checkpoint."""
-    from benchmarks import train_deit
+    from mesa_lite.benchmarks import train_deit
 
     common = ["--device", "cpu", "--dtype", "fp32", "--model", "deit_tiny_patch16_224",
               "--img-size", "32", "--synthetic-size", "32", "--batch-size", "4",

@@ -126,7 +126,7 @@ def test_exception_in_backward_frees_the_graph(model, tracked):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU memory run")
 @pytest.mark.parametrize("attention", ["fused", "explicit"])
 def test_cuda_memory_does_not_grow(attention):
-    from benchmarks.deit_memory import make_model
+    from mesa_lite.benchmarks.deit_memory import make_model
 
     steps = int(os.environ.get("MESA_LONG_RUN_STEPS", "1000"))
     warmup = 5

@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from benchmarks import readme_tables
+from mesa_lite.benchmarks import readme_tables
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -3,8 +3,7 @@ as well as plain autocast on the same seed, initial weights and batch order."""
 
 import pytest
 import torch
-
-from benchmarks import accuracy
+from mesa_lite.benchmarks import accuracy
 
 pytest.importorskip("sklearn")
 pytest.importorskip("timm")
@@ -111,10 +110,9 @@ def test_deit_randaugment_posterize_at_full_magnitude_gives_a_black_image():
     """DeiT's RandAugment keeps 0 bits at magnitude 10 (reached through mstd0.5); Pillow 12+
     raises on 0 bits, which crashed --data-path runs at random. The transform keeps Pillow
     < 12's result (all channels zero) and matches Pillow for 1-4 bits."""
+    from mesa_lite.benchmarks.train_deit import deit_train_transform
     from PIL import Image, ImageOps
     from timm.data.auto_augment import RandAugment
-
-    from benchmarks.train_deit import deit_train_transform
 
     tf = deit_train_transform(32)
     (ra,) = [t for t in tf.transforms if isinstance(t, RandAugment)]

@@ -4,8 +4,7 @@ import json
 
 import pytest
 import torch
-
-from benchmarks import deit_memory, train_deit
+from mesa_lite.benchmarks import deit_memory, train_deit
 
 pytest.importorskip("timm")
 
@@ -117,7 +116,7 @@ def test_train_deit_synthetic_checkpoint_and_resume(tmp_path, capsys):
 
 
 def test_grad_fidelity_small(tmp_path):
-    from benchmarks import grad_fidelity
+    from mesa_lite.benchmarks import grad_fidelity
 
     argv = "--models deit_tiny_patch16_224 --bits 8 4 --rounding nearest --img-size 32"
     argv += " --batch-size 4 --device cpu --dtype bf16 --no-plot --out " + str(tmp_path / "gf")
@@ -140,7 +139,7 @@ def test_grad_fidelity_small(tmp_path):
 
 
 def test_ablation_rows_pareto_and_resume(tmp_path):
-    from benchmarks import ablate
+    from mesa_lite.benchmarks import ablate
 
     out = tmp_path / "abl.csv"
     argv = (
@@ -166,7 +165,7 @@ def test_ablation_rows_pareto_and_resume(tmp_path):
 def test_peak_memory_replay_finds_the_live_set_at_the_peak():
     """The allocator-trace replay of peak_memory.py on a hand-made trace (the GPU run itself is
     quoted in benchmarks/results/peak_memory_gpu.md)."""
-    from benchmarks import peak_memory
+    from mesa_lite.benchmarks import peak_memory
 
     ours = [{"filename": "/x/site-packages/mesa_lite/functions.py", "line": 7, "name": "forward"}]
     timm_frame = [{"filename": "/x/timm/layers/mlp.py", "line": 48, "name": "forward"}]
@@ -191,7 +190,7 @@ def test_peak_memory_replay_finds_the_live_set_at_the_peak():
 
 
 def test_coverage_lists_converted_and_plain_layers(tmp_path):
-    from benchmarks import coverage
+    from mesa_lite.benchmarks import coverage
 
     argv = ["--models", "deit_tiny_patch16_224", "convnext_atto", "mobilenetv3_small_050",
             "hf-bert", "--device", "cpu", "--dtype", "fp32", "--batch-size", "1",
@@ -218,7 +217,7 @@ def test_coverage_lists_converted_and_plain_layers(tmp_path):
 
 
 def test_overhead_times_every_kind_plain_and_wrapped(tmp_path):
-    from benchmarks import overhead
+    from mesa_lite.benchmarks import overhead
 
     argv = ["--device", "cpu", "--dtype", "fp32", "--iters", "3", "--repeats", "1",
             "--out", str(tmp_path / "ov")]  # fmt: skip
@@ -235,7 +234,7 @@ def test_overhead_times_every_kind_plain_and_wrapped(tmp_path):
 def test_overhead_profile_lists_the_wrapped_ops_functions(tmp_path):
     """--profile: per kind, the top functions of the wrapped module by own time, backward's
     Python included (it runs on the calling thread there)."""
-    from benchmarks import overhead
+    from mesa_lite.benchmarks import overhead
 
     argv = ["--device", "cpu", "--dtype", "fp32", "--iters", "3", "--repeats", "1",
             "--kinds", "linear", "--profile", "40", "--out", str(tmp_path / "ov")]  # fmt: skip
@@ -250,7 +249,7 @@ def test_overhead_profile_lists_the_wrapped_ops_functions(tmp_path):
 def test_checkpoint_pareto_cpu_rows_and_chart(tmp_path):
     """The Pareto benchmark on CPU: one row per point with the ratios against plain, the SQNR
     of one backward (timm's checkpointing exact), the front marked, the chart written."""
-    from benchmarks import checkpoint_pareto
+    from mesa_lite.benchmarks import checkpoint_pareto
 
     out = tmp_path / "cp"
     argv = ("--device cpu --img-size 32 --batch-size 2 --steps 1 --warmup 0 --sqnr-batch 2 "
@@ -286,7 +285,8 @@ def test_budget_plans_and_measures_each_budget(tmp_path):
     within 5% of the prediction's (the CPU has no backward peak to measure); a budget below
     the static memory is a row that says so, not a failure; the planner's measurements are a
     row of their own, from which the plan is chosen again."""
-    from benchmarks import budget
+    from mesa_lite.benchmarks import budget
+
     from mesa_lite import planner
 
     argv = ["--device", "cpu", "--models", "test_vit", "--img-size", "32",

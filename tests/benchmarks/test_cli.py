@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from benchmarks import common
+from mesa_lite.benchmarks import common
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ["ablate", "accuracy", "budget", "compile_check", "compile_speed", "coverage", "deit_memory", "grad_fidelity", "kernels",
@@ -59,7 +58,7 @@ def test_help_is_fast_and_imports_no_torch(script):
 def test_every_option_has_help_and_its_default(script):
     import argparse
 
-    parser = importlib.import_module(f"benchmarks.{script}").build_parser()
+    parser = importlib.import_module(f"mesa_lite.benchmarks.{script}").build_parser()
     formatter = parser._get_formatter()
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction):
@@ -83,7 +82,7 @@ def _examples(doc: str, script: str) -> list[list[str]]:
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_usage_examples_render_and_parse(script):
-    module = importlib.import_module(f"benchmarks.{script}")
+    module = importlib.import_module(f"mesa_lite.benchmarks.{script}")
     examples = _examples(module.__doc__, script)
     assert examples, f"{script}: no usage example in its docstring"
     for line in module.__doc__.splitlines():
@@ -139,7 +138,7 @@ def test_entry_point_exit_status_of_a_run(tmp_path):
 def test_main_returns_1_when_a_row_fails(tmp_path, monkeypatch, capsys):
     """A row that fails while running (an out-of-memory error, say) is reported in its row and
     the table, the other rows still run, and the exit status is 1."""
-    from benchmarks import deit_memory
+    from mesa_lite.benchmarks import deit_memory
 
     def oom(*args, **kwargs):
         raise RuntimeError("out of memory (simulated)")
@@ -156,7 +155,7 @@ def test_main_returns_1_when_a_row_fails(tmp_path, monkeypatch, capsys):
 @pytest.mark.slow
 def test_default_output_is_a_fresh_run_folder_and_results_stay_untouched(tmp_path, monkeypatch,
                                                                          capsys):  # fmt: skip
-    from benchmarks import deit_memory
+    from mesa_lite.benchmarks import deit_memory
 
     def digest():
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
@@ -192,7 +191,7 @@ def test_cpu_default_dtype_follows_native_bf16(monkeypatch, capsys):
     monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: True)
     assert common.default_dtype("cpu") == "bf16"
     assert common.default_dtype("cuda") == "fp16"
-    from benchmarks import deit_memory
+    from mesa_lite.benchmarks import deit_memory
 
     monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: False)
     assert deit_memory.parse_args(["--device", "cpu"]).dtype == ["fp32"]

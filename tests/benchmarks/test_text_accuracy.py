@@ -6,8 +6,7 @@ import json
 import math
 
 import pytest
-
-from benchmarks import text_accuracy
+from mesa_lite.benchmarks import text_accuracy
 
 pytest.importorskip("transformers")
 pytest.importorskip("scipy")
@@ -176,5 +175,7 @@ def test_command_line_follows_the_scripts_conventions(check):
     """test_cli.py's checks of every benchmark script, on this one."""
     import importlib
 
-    test_cli = importlib.import_module("tests.benchmarks.test_cli")
+    test_cli = importlib.import_module(
+        "test_cli"
+    )  # this folder is on sys.path (pytest's rootdir-less import)
     getattr(test_cli, check)("text_accuracy")
