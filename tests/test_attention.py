@@ -214,3 +214,58 @@ def test_sdpa_on_views_of_one_qkv_tensor_keeps_it_once(exact, device):
         assert_equal(gout, gref, "grad of qkv")
     else:
         assert sqnr_db(gref, gout) >= FLOORS[8]
+
+
+def _broadcast_inputs(case: str, device):
+    """q, k, v as models broadcast them, from the (smaller) tensors that learn: Hugging Face's
+    repeat_kv with one key/value head (k, v expanded over the heads, stride 0) and learned
+    queries expanded over the batch (Perceiver/Q-Former cross-attention)."""
+    g = torch.Generator().manual_seed(4)
+    B, H, N, D = 2, 4, 24, 16
+    if case == "repeat_kv":
+        leaves = [torch.randn(B, H, N, D, generator=g),
+                  *(torch.randn(B, 1, N, D, generator=g) for _ in "kv")]  # fmt: skip
+    else:  # learned queries
+        leaves = [torch.randn(1, H, N, D, generator=g),
+                  *(torch.randn(B, H, N, D, generator=g) for _ in "kv")]  # fmt: skip
+    leaves = [t.to(device).requires_grad_() for t in leaves]
+
+    def inputs(ts):
+        return [t.expand(B, H, N, D) for t in ts]
+
+    return leaves, inputs
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "padding_mask"])
+@pytest.mark.parametrize("case", ["repeat_kv", "learned_queries"])
+@pytest.mark.parametrize("exact", [True, False], ids=["debug_exact", "int8"])
+def test_sdpa_broadcast_inputs(exact, case, masked, device):
+    """q, k or v a stride-0 expanded view: gradients exact in debug_exact and above the floor
+    at 8 bits, on every torch (torch 2.11's CPU flash backward computed wrong gradients for the
+    dense rebuild with the expanded dim innermost); the expanded tensor's codes are kept once,
+    at the un-expanded size."""
+    leaves, inputs = _broadcast_inputs(case, device)
+    twins = [t.detach().clone().requires_grad_() for t in leaves]
+    mask = _masks(device)["padding4d"][..., :24, :24] if masked else None
+    ref = F.scaled_dot_product_attention(*inputs(leaves), attn_mask=mask)
+    kept, out = saved_activation_bytes(
+        lambda: mesa_sdpa(*inputs(twins), attn_mask=mask, spec=QuantSpec(exact=exact))
+    )
+    assert type(out.grad_fn).__name__ == "SDPAFnBackward"
+    assert_equal(out, ref, "forward")
+    g = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5)).to(device)
+    ref.backward(g)
+    out.backward(g)
+    for what, a, b in zip("qkv", leaves, twins, strict=True):
+        if exact:
+            assert_equal(b.grad, a.grad, f"grad of {what}")
+        else:
+            db = sqnr_db(a.grad, b.grad)
+            assert FLOORS[8] <= db < float("inf"), f"grad of {what}: {db:.1f} dB"
+    if not exact:  # the expanded tensors' codes at their own size: fewer bytes than dense ones
+        dense_kept, _ = saved_activation_bytes(
+            lambda: mesa_sdpa(*(t.contiguous() for t in inputs(twins)), attn_mask=mask,
+                              spec=QuantSpec())
+        )  # fmt: skip
+        spared = sum(out.numel() - t.numel() for t in leaves)  # one int8 code each
+        assert kept <= dense_kept - 0.95 * spared, (kept, dense_kept, spared)

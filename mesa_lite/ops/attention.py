@@ -29,20 +29,31 @@ SDPA_FLASH, SDPA_EFFICIENT, SDPA_CUDNN = 1, 2, 3  # torch.nn.attention.SDPBacken
 
 def _keep_in_memory_order(t: torch.Tensor, spec: QuantSpec) -> tuple[quant.Packed, tuple]:
     """Quantizes ``t`` in its memory order (no copy when it is dense), so that backward can
-    rebuild a tensor with the same stride order (cuDNN's backward expects it). In the exact
-    mode ``t`` itself is kept: a permuted view of a Function's output saved for its backward
-    would tie the output to its own graph node, a cycle autograd frees only in backward."""
+    rebuild a tensor with the same stride order (cuDNN's backward expects it). A broadcast
+    ``t`` (dims of stride 0, as Hugging Face's repeat_kv or learned queries expanded over the
+    batch make) is kept at its un-expanded size and expanded again on rebuild: the layout
+    PyTorch's own backward gets (a dense rebuild put the expanded dim innermost, which torch
+    2.11's CPU flash backward computed wrong gradients for). In the exact mode ``t`` itself is
+    kept: a permuted view of a Function's output saved for its backward would tie the output
+    to its own graph node, a cycle autograd frees only in backward."""
     if spec.exact:
-        return quant.quantize(t, spec), tuple(range(t.dim()))
+        return quant.quantize(t, spec), (tuple(range(t.dim())), None)
+    broadcast = [d for d in range(t.dim()) if t.stride(d) == 0 and t.shape[d] > 1]
+    expand = None
+    if broadcast:
+        expand = tuple(t.shape)
+        t = t[tuple(slice(0, 1) if d in broadcast else slice(None) for d in range(t.dim()))]
     order = quant.memory_order(t)
-    return quant.quantize(t.permute(order), spec), order
+    return quant.quantize(t.permute(order), spec), (order, expand)
 
 
-def _restore(p: quant.Packed, order: tuple) -> torch.Tensor:
+def _restore(p: quant.Packed, layout: tuple) -> torch.Tensor:
+    order, expand = layout
     inverse = [0] * len(order)
     for i, d in enumerate(order):
         inverse[d] = i
-    return quant.dequantize(p).permute(inverse)
+    t = quant.dequantize(p).permute(inverse)
+    return t if expand is None else t.expand(expand)
 
 
 def _joint_base(q, k, v) -> torch.Tensor | None:
