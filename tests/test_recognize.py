@@ -609,3 +609,40 @@ def test_fused_mlp_rechecks_its_proof_on_each_call():
         assert len(calls) == 2
     finally:
         blocks.MlpFn.apply = original
+
+
+@pytest.mark.parametrize(
+    ("bits", "rounding", "floor"),
+    [(4, None, 8.0), (2, None, None), (8, "stochastic", 20.0)],
+    ids=["int4", "int2", "int8_stochastic"],
+)
+def test_mlps_are_fused_at_every_setting(bits, rounding, floor):
+    """The proof is of the formula, with the children's compression off: gated and
+    two-projection MLPs are fused at 4 and 2 bits and with stochastic rounding too (the proof
+    compared two compressed backward passes before, which differ from call to call, so no MLP
+    was fused there and a 4-bit model kept more than an 8-bit one). Forward bit for bit,
+    gradients above the width's floor against the unwrapped model, fewer bytes than at 8 bits."""
+    from conftest import saved_activation_bytes
+
+    torch.manual_seed(0)
+    plain = _randomize(nn.Sequential(TinyDecoderLayer(32), TinyDecoderLayer(32)))
+    x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(6))
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain), Config(bits=bits, rounding=rounding))
+    assert sum(isinstance(m, GatedMlp) for m in wrapped.modules()) == 2
+    y0, g0 = _run(plain, x)
+    y1, g1 = _run(wrapped, x)
+    assert_equal(y1, y0, "forward")
+    for n, a in g0.items():  # (2 bits through two random layers: no floor worth the name)
+        assert floor is None or sqnr_db(a, g1[n]) >= floor, (n, sqnr_db(a, g1[n]))
+    if bits < 8:  # the fused MLP alone keeps its codes at the width asked for
+        mlp = TitanFeedForward(128, 256)
+        h = torch.randn(4, 32, 128).requires_grad_()
+        kept = []
+        for cfg in (Config(bits=bits), Config()):
+            m = mesa_lite.wrap(nn.Sequential(copy.deepcopy(mlp)), cfg)
+            assert isinstance(m[0], GatedMlp)
+            kept.append(saved_activation_bytes(lambda m=m: m(h), list(m.parameters()))[0])
+        assert kept[0] < (bits / 8 + 0.1) * kept[1], kept
+    two = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.Dropout(0.0))
+    mlp = mesa_lite.wrap(nn.Sequential(two), Config(bits=bits, rounding=rounding))
+    assert isinstance(mlp[0], Mlp), type(mlp[0])
