@@ -168,12 +168,16 @@ class MemoryReport:
 @contextlib.contextmanager
 def plain_model(model: nn.Module) -> Iterator[nn.Module]:
     """Runs ``model`` as the unwrapped model would run inside the block: every mesa_lite
-    module as plain torch, checkpointing by ``Config(checkpoint=...)`` or a plan off (fused
-    blocks then run their own forward, as their layers' settings are gone)."""
+    module as plain torch, the language models' own loss instead of the chunked one, and
+    checkpointing by ``Config(checkpoint=...)`` or a plan off (fused blocks then run their own
+    forward, as their layers' settings are gone)."""
     from mesa_lite.checkpoint import checkpointed  # imported when used, as the modules are
     from mesa_lite.modules import MesaModule
 
+    # a mesa_lite module, or the loss wrap set on a language model (integrations/transformers)
     saved = {m: m.mesa_spec for m in model.modules() if isinstance(m, MesaModule)}
+    losses = [m.__dict__["_mesa_loss"] for m in model.modules() if "_mesa_loss" in m.__dict__]
+    saved.update((loss, loss.mesa_spec) for loss in losses)
     ckpt = {m: m.__dict__["_mesa_ckpt_spec"] for _, m in checkpointed(model)}
     try:
         for m in saved:
@@ -234,26 +238,45 @@ def _cast_equal(p: torch.Tensor, t: torch.Tensor) -> bool:
     return torch.equal(p.to(t.dtype), t)
 
 
+@contextlib.contextmanager
+def _module_stack(model: nn.Module, stack: list[str]) -> Iterator[None]:
+    """While inside, ``stack`` holds the names of ``model``'s modules being called, innermost
+    last. Tracked through ``nn.Module.__call__``, not hooks: a module hook would make a fused
+    block give way to its per-op layers (``modules.plain_modules``), so the report would
+    measure another path than the model trains with."""
+    names = {m: n for n, m in model.named_modules()}
+    call = nn.Module.__call__
+
+    def tracked(self, *args, **kwargs):
+        name = names.get(self)
+        if name is None:
+            return call(self, *args, **kwargs)
+        stack.append(name)
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            stack.pop()
+
+    nn.Module.__call__ = tracked
+    try:
+        yield
+    finally:
+        nn.Module.__call__ = call
+
+
 def _attribute(
     model: nn.Module, fn, per_module: bool = True
 ) -> tuple[dict[str, list[int]], int, int, object]:
     """Runs ``fn()`` and returns ({module name: [activation bytes, weight-copy bytes] first
     saved inside it}, activation total, weight-copy total, result).
 
-    ``per_module``: attribute bytes to modules through forward hooks on every module (a
-    block-level Function then gives way to its per-op modules, which keep the same bytes);
-    False counts under the root's name, with the model running as it does untouched."""
-    names = {m: n for n, m in model.named_modules()}
+    ``per_module``: attribute bytes to the innermost module being called (``_module_stack``;
+    a fused block's bytes to the block); False counts under the root's name. Either way the
+    model runs as it does untouched."""
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
     is_copy = _weight_copy_test(model)
     stack: list[str] = []
     seen: dict[int, tuple[str, int, bool]] = {}
-
-    def pre(m, _args):
-        stack.append(names[m])
-
-    def post(m, _args, _out):
-        stack.pop()
 
     def pack(t):
         st = t.untyped_storage()
@@ -264,15 +287,9 @@ def _attribute(
         # cycle through C++ that Python's GC cannot see, and leak the whole graph
         return t.detach()
 
-    hooked = names if per_module else {}
-    handles = [m.register_forward_pre_hook(pre) for m in hooked]
-    handles += [m.register_forward_hook(post, always_call=True) for m in hooked]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = fn()
-    finally:
-        for h in handles:
-            h.remove()
+    tracking = _module_stack(model, stack) if per_module else contextlib.nullcontext()
+    with tracking, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
     per: dict[str, list[int]] = {}
     for name, nbytes, copy in seen.values():
         per.setdefault(name, [0, 0])[copy] += nbytes

@@ -254,14 +254,14 @@ class _CausalLMLoss:
     the model, records which), where every wrapped layer runs plain too."""
 
     def __init__(self, spec: QuantSpec) -> None:
-        self.spec = spec
+        self.mesa_spec = spec  # None: transformers' own loss (report.plain_model sets it)
         self.training = True
 
     def track(self, module, args) -> None:
         self.training = module.training
 
     def __call__(self, logits, labels, vocab_size: int, **kwargs):
-        if not self.training:
+        if not self.training or self.mesa_spec is None:
             from transformers.loss.loss_utils import ForCausalLMLoss
 
             return ForCausalLMLoss(logits, labels, vocab_size, **kwargs)
@@ -316,7 +316,8 @@ class _LossHooks:
     output embeddings (the logits' projection) to the end of its forward, where the loss is
     computed. Only those few calls pass through the mode."""
 
-    def __init__(self) -> None:
+    def __init__(self, spec: QuantSpec) -> None:
+        self.mesa_spec = spec  # None: the model's own loss (report.plain_model sets it)
         self.modes: list[_LossOps] = []
         self.depth = 0
 
@@ -324,7 +325,9 @@ class _LossHooks:
         self.depth += 1
 
     def logits(self, module, args, output):
-        if self.depth == 1 and not self.modes and module.training and torch.is_grad_enabled():
+        if self.depth != 1 or self.modes or self.mesa_spec is None:
+            return
+        if module.training and torch.is_grad_enabled():
             mode = _LossOps()
             mode.__enter__()
             self.modes.append(mode)
@@ -372,12 +375,13 @@ def after_wrap(model: nn.Module, config, filter_fn=None) -> tuple[list, int]:
             head = module.get_output_embeddings()
             if head is None:
                 continue
-            hooks = _LossHooks()
+            loss = _LossHooks(spec)
             module.__dict__["_mesa_loss_hooks"] = (
-                module.register_forward_pre_hook(hooks.start),
-                head.register_forward_hook(hooks.logits),
-                module.register_forward_hook(hooks.end, always_call=True),
+                module.register_forward_pre_hook(loss.start),
+                head.register_forward_hook(loss.logits),
+                module.register_forward_hook(loss.end, always_call=True),
             )
+        module.__dict__["_mesa_loss"] = loss  # report.plain_model turns it off by its spec
         specs.append(spec)
     return specs, exact
 
@@ -389,3 +393,4 @@ def after_unwrap(model: nn.Module) -> None:
             del module.__dict__["_loss_function"]
         for handle in module.__dict__.pop("_mesa_loss_hooks", ()):
             handle.remove()
+        module.__dict__.pop("_mesa_loss", None)
