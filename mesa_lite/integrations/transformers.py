@@ -237,6 +237,9 @@ def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None,
     if shift_labels is None:
         labels = F.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:].contiguous()
+    rows = logits.shape[:-1]
+    if shift_labels.shape != rows and shift_labels.numel() == rows.numel():
+        shift_labels = shift_labels.reshape(rows)  # flattened, as transformers' loss takes them
     shift_labels = shift_labels.to(logits.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
     # the logits in their own shape (see ChunkedCrossEntropyFn); rows x vocab for the plain op

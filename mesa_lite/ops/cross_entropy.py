@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mesa_lite.ops.common import first_order_only
+from mesa_lite.ops.common import first_order_only, plain_under_functorch
 
 # rows per chunk: about this many fp32 elements of logits at a time (64 MiB; at 128 MiB the
 # activation peak of GPT-2 small, batch 8 x 1024, was 192 MiB higher and no step faster)
@@ -160,7 +160,10 @@ def cross_entropy(logits, labels, ignore_index: int = -100, reduction: str = "me
             f"cross_entropy: expected logits (rows, vocab) and labels (rows,), got "
             f"{tuple(logits.shape)} and {tuple(labels.shape)}"
         )
-    if reduction not in ("mean", "sum") or not (torch.is_grad_enabled() and logits.requires_grad):
+    plain = reduction not in ("mean", "sum") or not (
+        torch.is_grad_enabled() and logits.requires_grad
+    )
+    if plain or plain_under_functorch("the chunked cross-entropy"):
         x = logits.float() if upcast else logits
         if rows:
             x, labels = x.flatten(0, -2), labels.flatten()

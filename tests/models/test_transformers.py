@@ -292,3 +292,50 @@ def test_printed_gpt2_shows_the_setting_of_its_conv1d_layers():
     assert "Conv1D(nf=" in repr(model) and "mesa=int8" in repr(model.transformer.h[0].mlp)
     mesa_lite.unwrap(model)
     assert repr(c_attn) == f"Conv1D(nf={c_attn.nf}, nx={c_attn.nx})"
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap_grad"])
+def test_torch_func_over_the_models_own_loss(transform):
+    """torch.func.grad (and vmap of it) over a wrapped causal LM's own loss: the layers and the
+    chunked loss run plain inside the transform, so the gradients are the unwrapped model's
+    (the chunked loss's Function raised "must override setup_context" there)."""
+    plain = _model("llama")
+    model = mesa_lite.wrap(copy.deepcopy(plain))
+    batch = _batch()
+    params = {n: p.detach() for n, p in plain.named_parameters()}
+
+    def loss(m, ps, ids):
+        return torch.func.functional_call(m, ps, (), {"input_ids": ids, "labels": ids}).loss
+
+    ids = batch["input_ids"]
+    if transform == "grad":
+        want = torch.func.grad(functools.partial(loss, plain))(params, ids)
+        got = torch.func.grad(functools.partial(loss, model))(params, ids)
+    else:  # per-example gradients, one sequence each
+        per = lambda m: torch.func.vmap(  # noqa: E731
+            torch.func.grad(lambda ps, i: loss(m, ps, i[None])), in_dims=(None, 0)
+        )(params, ids)
+        want, got = per(plain), per(model)
+    assert set(got) == set(want)
+    for n in want:
+        assert_equal(got[n], want[n], f"grad of {n}")
+
+
+def test_flattened_shift_labels_are_taken_as_transformers_takes_them():
+    """``shift_labels`` given flat (batch * seq,), which transformers' own loss accepts (it
+    views them as one row each): the chunked loss takes them too, same loss and gradients."""
+    plain = _model("llama")
+    model = mesa_lite.wrap(copy.deepcopy(plain))
+    batch = _batch()
+    ids = batch["input_ids"]
+    shift = torch.nn.functional.pad(ids, (0, 1), value=-100)[:, 1:].reshape(-1)
+    losses = []
+    for m in (plain, model):
+        out = m(input_ids=ids, labels=ids, shift_labels=shift)
+        out.loss.backward()
+        losses.append(out.loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    for (n, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
+        assert sqnr_db(a.grad, b.grad) >= FLOORS["llama"] - 10, n
+    with pytest.raises(ValueError, match="expected logits .* and labels"):
+        model(input_ids=ids, labels=ids, shift_labels=shift[:-1])
