@@ -168,7 +168,9 @@ class Config:
         overrides: per-module settings, ``{name_or_glob: {field: value}}`` with fields
             ``bits``, ``group_size``, ``rounding`` and ``enabled`` (False leaves that module
             exact). Names are those of ``model.named_modules()``; fnmatch globs are allowed.
-            A pattern that matches no module is an error at ``wrap`` time.
+            A pattern applies to the modules it names and to every module inside them (a
+            block's name sets its layers). A pattern that matches no module is an error at
+            ``wrap`` time.
         debug_exact: keep exact copies instead of codes (for checking gradients against torch).
         checkpoint: compressed checkpointing (``mesa_lite.checkpoint``): None (off), ``"blocks"``
             (the model's repeated blocks, found by structure), ``"attention"`` or ``"mlp"``
@@ -294,8 +296,6 @@ class Config:
 
         Overrides apply in the order given; later matches win.
         """
-        import fnmatch
-
         if kind not in self.layers:
             return None
         fields: dict[str, Any] = {
@@ -305,8 +305,18 @@ class Config:
             "enabled": True,
         }
         for pattern, over in self.overrides.items():
-            if name == pattern or fnmatch.fnmatchcase(name, pattern):
+            if override_matches(name, pattern):
                 fields.update(over)
         if not fields.pop("enabled"):
             return None
         return QuantSpec(exact=self.debug_exact, **fields)
+
+
+def override_matches(name: str, pattern: str) -> bool:
+    """Whether an override ``pattern`` (a module name or an fnmatch glob) applies to module
+    ``name``: the module it names, or one inside it."""
+    import fnmatch
+
+    if name == pattern or name.startswith(pattern + "."):
+        return True
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
 import logging
 import warnings
 from collections import Counter
@@ -33,7 +32,14 @@ import torch.nn as nn
 from mesa_lite import checkpoint as _ckpt
 from mesa_lite import recognize
 from mesa_lite._cli import print_rank0
-from mesa_lite.config import CHECKPOINT_INNER, LAYER_KINDS, OPT_IN_KINDS, Config, QuantSpec
+from mesa_lite.config import (
+    CHECKPOINT_INNER,
+    LAYER_KINDS,
+    OPT_IN_KINDS,
+    Config,
+    QuantSpec,
+    override_matches,
+)
 from mesa_lite.modules import (
     GELU,
     AdaptiveAvgPool2d,
@@ -387,7 +393,7 @@ def _wrap(model, config, filter_fn):
     modules = list(model.named_modules())
     names = [n for n, _ in modules]
     for pattern in config.overrides:
-        if not any(n == pattern or fnmatch.fnmatchcase(n, pattern) for n in names):
+        if not any(override_matches(n, pattern) for n in names):
             raise ValueError(
                 f"Config.overrides: {pattern!r} matches no module of the model "
                 f"(names are those of model.named_modules(), e.g. {names[1:4]})"

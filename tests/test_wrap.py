@@ -662,3 +662,39 @@ def test_library_copies_wrap_quietly(caplog):
     with caplog.at_level(logging.INFO, logger="mesa_lite"):
         mesa_lite.wrap(model)
     assert [r for r in caplog.records if "mesa_lite.wrap" in r.getMessage()]
+
+
+def test_an_override_naming_a_block_applies_to_what_it_contains():
+    """``overrides={"1": {"enabled": False}}`` names a block, not a layer: it applies to every
+    module inside it (it changed nothing and raised nothing before). A later, narrower override
+    wins over it, as later matches do."""
+    import copy
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_recognize import TinyDecoderLayer
+
+    from mesa_lite.recognize import GatedMlp
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(TinyDecoderLayer(32), TinyDecoderLayer(32))
+    model = mesa_lite.wrap(copy.deepcopy(plain), Config(overrides={"1": {"enabled": False}}))
+    names = sorted(mesa_lite.wrapped_modules(model))
+    assert names and not [n for n in names if n.startswith("1.")], names
+    assert [n for n in names if n.startswith("0.")] == names
+    # the last block runs plain: its gradients are PyTorch's bit for bit
+    x = torch.randn(2, 16, 32)
+    for m in (plain, model):
+        m(x).square().sum().backward()
+    for (n, a), b in zip(plain.named_parameters(), model.parameters(), strict=True):
+        if n.startswith("1."):
+            assert torch.equal(a.grad, b.grad), n
+    over = {"0.feed_forward": {"bits": 4}, "0.feed_forward.w2": {"bits": 2}}
+    model = mesa_lite.wrap(copy.deepcopy(plain), Config(overrides=over))
+    specs = {n: m.mesa_spec.bits for n, m in mesa_lite.wrapped_modules(model).items()}
+    assert (specs["0.feed_forward.w1"], specs["0.feed_forward.w3"]) == (4, 4)
+    assert (
+        specs["0.feed_forward.w2"] == 2 and specs["0.ffn_norm"] == specs["1.feed_forward.w1"] == 8
+    )
+    assert isinstance(model[1].feed_forward, GatedMlp)
