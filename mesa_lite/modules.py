@@ -7,6 +7,7 @@ Parameters, buffers, hooks and state_dict keys stay the same; ``to_original`` sw
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import ClassVar
 
@@ -86,7 +87,12 @@ class MesaModule:
         module.__dict__["_mesa_orig_cls"] = orig
         _set_class(module, target)
         module.mesa_spec = spec
+        module._mesa_converted()
         return module
+
+    def _mesa_converted(self) -> None:
+        """Called once the module is in its converted class (``from_module``, or ``wrap``
+        putting a wrapped module back): what a class records then."""
 
     def to_original(self) -> nn.Module:
         """Converts back in place to the class ``from_module`` found (parametrizations added or
@@ -104,7 +110,7 @@ class MesaModule:
 
 # attributes a converted module learns while training (ops/relu.py), dropped by to_original and
 # by a new from_module
-_STATE = ("_mesa_relu_state", "_mesa_last_offer", "_mesa_unclaimed")
+_STATE = ("_mesa_relu_state", "_mesa_last_offer", "_mesa_unclaimed", "_mesa_proved_attrs")
 
 _GLOBAL_HOOKS = tuple(
     d
@@ -168,6 +174,57 @@ class FusedBlock:
         if remember:
             keys.add(key)
         return key in keys
+
+
+def proof_attrs(m: nn.Module):
+    """``(name, value)`` of the attributes of ``m`` a proof (``recognize``) depends on: public,
+    not its mode or mesa_lite setting, not a tensor or a module."""
+    for k, v in vars(m).items():
+        if k.startswith("_") or k in ("training", "mesa_spec"):
+            continue
+        if not isinstance(v, (torch.Tensor, nn.Module)):
+            yield k, v
+
+
+_PLAIN = (bool, int, float, str, type(None), tuple)
+_MISSING = object()
+
+
+def _fields(obj) -> dict | None:
+    """A copy of the fields of an object a module holds (a model config), to compare with
+    later; None for a plain value or an object without fields."""
+    if isinstance(obj, _PLAIN) or not hasattr(obj, "__dict__") or callable(obj):
+        return None
+    return copy.deepcopy(vars(obj))
+
+
+def proved_attrs(module: nn.Module) -> tuple:
+    """``(sub-module, name, value, fields)`` for each plain attribute of ``module`` and its
+    children that a proof assumed (tensors, modules and private names left out, and a
+    dropout's ``p``: the fused path reads it on each call); ``fields``: a copy of the fields of
+    an object held (a model config: a proof read them too), else None."""
+    return tuple((m, k, v, _fields(v)) for m in module.modules() for k, v in proof_attrs(m)
+                 if not (k == "p" and isinstance(m, nn.Dropout)))  # fmt: skip
+
+
+def still_proved(m: nn.Module) -> bool:
+    """Whether ``m``'s attributes are those its proof ran with (``proved_attrs``): each the
+    same object or an equal plain value, an object's fields equal to its copy (a
+    microsecond or so per attribute a call)."""
+    items = m.__dict__.get("_mesa_proved_attrs")
+    if items is None:
+        return False
+    for sub, k, v, fields in items:
+        now = sub.__dict__.get(k, _MISSING)
+        if now is not v and not (type(now) is type(v) and isinstance(v, _PLAIN) and now == v):
+            return False
+        if fields is not None:
+            try:
+                if not bool(vars(v) == fields):
+                    return False
+            except Exception:  # noqa: BLE001 - a field whose == is not a bool: changed
+                return False
+    return True
 
 
 def plain_modules(*modules) -> bool:
@@ -724,6 +781,10 @@ class RMSNorm(MesaModule, nn.Module):
 
     mesa_kind = "rmsnorm"
 
+    def _mesa_converted(self) -> None:
+        if not isinstance(self, nn.RMSNorm):  # recognised by proof: what the proof assumed
+            self.__dict__["_mesa_proved_attrs"] = proved_attrs(self)
+
     def _mesa_rms_cfg(self):
         if isinstance(self, nn.RMSNorm):
             return "torch", self.eps, len(self.normalized_shape)
@@ -736,6 +797,8 @@ class RMSNorm(MesaModule, nn.Module):
         spec = self.mesa_spec
         if spec is None or spec.exact or not self.training or not torch.is_grad_enabled():
             return super().forward(x)
+        if "_mesa_proved_attrs" in self.__dict__ and not still_proved(self):
+            return super().forward(x)  # an attribute its proof read has changed since
         weight = self.weight  # once, as the module's own forward reads it
         form, eps, dims = self._mesa_rms_cfg()
         if not needs_grad(x, weight):  # nothing to differentiate: the plain formula

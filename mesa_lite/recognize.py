@@ -71,7 +71,10 @@ from mesa_lite.modules import (
     MesaModule,
     RMSNorm,
     plain_modules,
+    proof_attrs,
+    proved_attrs,
     rms_eps,
+    still_proved,
 )
 from mesa_lite.ops.activation import backward_for, silu_grad
 from mesa_lite.ops.common import autocast_dtype
@@ -318,20 +321,10 @@ def reset() -> None:
     _CACHE.clear()
 
 
-def _proof_attrs(m: nn.Module):
-    """``(name, value)`` of the attributes of ``m`` a proof depends on: public, not its mode
-    or mesa_lite setting, not a tensor or a module."""
-    for k, v in vars(m).items():
-        if k.startswith("_") or k in ("training", "mesa_spec"):
-            continue
-        if not isinstance(v, (torch.Tensor, nn.Module)):
-            yield k, v
-
-
 def _plain_attrs(m: nn.Module) -> tuple:
     # shared objects (a model config) by identity: the same for every layer
     return tuple((k, v if isinstance(v, (bool, int, float, str, type(None))) else id(v))
-                 for k, v in sorted(_proof_attrs(m), key=lambda kv: kv[0]))  # fmt: skip
+                 for k, v in sorted(proof_attrs(m), key=lambda kv: kv[0]))  # fmt: skip
 
 
 def _key(what: str, module: nn.Module) -> tuple:
@@ -580,34 +573,9 @@ class GatedMlp(FusedBlock, nn.Module):
         return super().unfuse()
 
 
-def proved_attrs(module: nn.Module) -> tuple:
-    """``(sub-module, name, value)`` for each plain attribute of ``module`` and its children
-    that a proof assumed (tensors, modules and private names left out, and a dropout's ``p``:
-    the fused path reads it on each call)."""
-    return tuple((m, k, v) for m in module.modules() for k, v in _proof_attrs(m)
-                 if not (k == "p" and isinstance(m, nn.Dropout)))  # fmt: skip
-
-
-_PLAIN = (bool, int, float, str, type(None), tuple)
-_MISSING = object()
-
-
-def _still_proved(m: nn.Module) -> bool:
-    """Whether ``m``'s attributes are those its proof ran with (``proved_attrs``): each the
-    same object or an equal plain value (a few microseconds a call)."""
-    items = m.__dict__.get("_mesa_proved_attrs")
-    if items is None:
-        return False
-    for sub, k, v in items:
-        now = sub.__dict__.get(k, _MISSING)
-        if now is not v and not (type(now) is type(v) and isinstance(v, _PLAIN) and now == v):
-            return False
-    return True
-
-
 def _gated_parts(m: nn.Module):
     roles = m.__dict__.get("_mesa_gated")
-    if roles is None or not _still_proved(m):
+    if roles is None or not still_proved(m):
         return None
     gate, up, down, act = roles
     layers = [getattr(m, n) for n in (gate, up, down)]
@@ -723,7 +691,7 @@ def _mlp_parts(m: nn.Module):
     layers converted with one setting, each projection's compressed path taken, the dropout
     converted (p below 1, not in place), no hooks; else None."""
     chain = m.__dict__.get("_mesa_mlp_chain")
-    if chain is None or not _still_proved(m):
+    if chain is None or not still_proved(m):
         return None
     layers = [getattr(m, name) for name in chain]
     p1, act, p2 = layers[:3]

@@ -548,6 +548,7 @@ def _restore(module: nn.Module, cls: type, spec: QuantSpec, orig: type) -> None:
     module.__class__ = cls
     module.__dict__["_mesa_orig_cls"] = orig
     module.mesa_spec = spec
+    module._mesa_converted()
 
 
 def _kinds(counts: Counter[str]) -> str:

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import HFStyleRMSNorm, assert_equal, sqnr_db
+from conftest import HFStyleRMSNorm, assert_equal, graph_nodes, sqnr_db
 
 import mesa_lite
 from mesa_lite import Config
@@ -646,3 +646,70 @@ def test_mlps_are_fused_at_every_setting(bits, rounding, floor):
     two = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.Dropout(0.0))
     mlp = mesa_lite.wrap(nn.Sequential(two), Config(bits=bits, rounding=rounding))
     assert isinstance(mlp[0], Mlp), type(mlp[0])
+
+
+class _MlpConfig:
+    """A model config as Hugging Face models hold one (``self.config``)."""
+
+    def __init__(self):
+        self.hidden_act = "silu"
+        self.rope_scaling = {"factor": 1.0}
+
+
+class ConfigGatedMlp(nn.Module):
+    """A gated MLP whose forward reads a field of the config object it holds."""
+
+    def __init__(self, config, h=16, i=40):
+        super().__init__()
+        self.config = config
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        act = F.silu if self.config.hidden_act == "silu" else F.gelu
+        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ScaledRMSNorm(nn.Module):
+    """Llama's RMSNorm with a plain attribute its forward reads (1.0: the Llama formula)."""
+
+    def __init__(self, n=16, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.variance_epsilon = eps
+        self.scale = 1.0
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * (h * self.scale).to(x.dtype)
+
+
+def test_what_a_proof_read_is_checked_again_on_each_call():
+    """A field changed inside the config object a fused MLP holds, or a plain attribute of an
+    RMSNorm recognised by proof, after wrap: the module runs its own forward, which reads it
+    (both ran the proved formula and differed from the unwrapped model before); put back, the
+    fused or formula path runs again. Re-wrapping keeps the check."""
+    torch.manual_seed(0)
+    plain = _randomize(nn.Sequential(ConfigGatedMlp(_MlpConfig()), ScaledRMSNorm()))
+    x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(0))
+    for rewrap in (False, True):
+        wrapped = mesa_lite.wrap(copy.deepcopy(plain))
+        if rewrap:
+            wrapped = mesa_lite.wrap(wrapped, Config(group_size=64))
+        assert isinstance(wrapped[0], GatedMlp) and isinstance(wrapped[1], RMSNorm)
+        for m in (plain, wrapped):
+            m[0].config.hidden_act = "gelu"
+            m[1].scale = 2.0
+        (y0, g0), (y1, g1) = _run(plain, x), _run(wrapped, x)
+        assert_equal(y1, y0, "forward with the fields changed")
+        for n, a in g0.items():
+            assert sqnr_db(a, g1[n]) >= 20.0, n  # per-op layers, 8 bits
+        graph = lambda m: graph_nodes(m(x.clone().requires_grad_()))  # noqa: E731
+        assert not {"GatedMlpFnBackward", "RMSNormFnBackward"} & graph(wrapped), graph(wrapped)
+        for m in (plain, wrapped):
+            m[0].config.hidden_act = "silu"
+            m[1].scale = 1.0
+        assert {"GatedMlpFnBackward", "RMSNormFnBackward"} <= graph(wrapped), graph(wrapped)
+        assert_equal(wrapped(x), plain(x), "forward, the proof's values back")
