@@ -373,3 +373,37 @@ def test_sdpa_backend_restrictions_and_empty_batches():
     assert wrapped(empty).shape == plain(empty).shape == (0, 5)
     h = torch.zeros(0, 17, 32, requires_grad=True)
     assert wrapped.blocks[0](h).shape == (0, 17, 32)
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["debug_exact", "int8"])
+def test_timm_layer_norm_2d_is_converted(exact):
+    """timm's LayerNorm2d (ConvNeXt atto's stem and downsampling layers) was skipped as "a
+    subclass with its own forward": it is a LayerNorm over the channels of an NCHW tensor,
+    converted now. Forward bit for bit on ConvNeXt atto, gradients PyTorch's in debug_exact and
+    above the floor at 8 bits; the norm alone keeps an int8 copy of its input."""
+    import timm
+    from timm.layers import LayerNorm2d
+
+    torch.manual_seed(0)
+    plain = timm.create_model("convnext_atto", pretrained=False, num_classes=10)
+    n2d = sum(type(m) is LayerNorm2d for m in plain.modules())
+    model = mesa_lite.wrap(copy.deepcopy(plain), Config(debug_exact=exact))
+    converted = [m for m in model.modules() if isinstance(m, LayerNorm2d)]
+    assert n2d == len(converted) > 0
+    assert all(m.mesa_spec is not None for m in converted)
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    a, b = plain(x), model(x)
+    assert_equal(b, a, "forward")
+    a.square().sum().backward()
+    b.square().sum().backward()
+    for (n, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        if exact:
+            assert_equal(q.grad, p.grad, n)
+        else:
+            assert sqnr_db(p.grad, q.grad) >= 25.0, n
+    norm = LayerNorm2d(64)
+    wrapped = mesa_lite.wrap(torch.nn.Sequential(copy.deepcopy(norm)))
+    h = torch.randn(4, 64, 8, 8, requires_grad=True)
+    kept, y = saved_activation_bytes(lambda: wrapped(h), list(wrapped.parameters()))
+    assert_equal(y, norm(h), "LayerNorm2d forward")
+    assert kept < h.numel() * 1.2 + 2 * 4 * 8 * 8 * 4, kept  # int8 codes, scales, mean, rstd

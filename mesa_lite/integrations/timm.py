@@ -61,6 +61,16 @@ def _plain_layer_norm(module: nn.Module) -> bool:
     return not getattr(module, "_fast_norm", False)
 
 
+class LayerNorm2d(LayerNorm):
+    """timm's ``LayerNorm2d`` (ConvNeXt atto-nano's stem and downsampling, many hybrid models): a
+    LayerNorm over the channels of an NCHW tensor, computed as timm does (permute to NHWC,
+    ``F.layer_norm``, permute back), its input kept compressed as ``LayerNorm`` keeps it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = LayerNorm.forward(self, x.permute(0, 2, 3, 1))
+        return x.permute(0, 3, 1, 2)
+
+
 def registrations() -> list[tuple[type, type, str, object, str | None]]:
     """(timm type, mesa_lite class, kind, accepts(module) or None, why accepts rejects) for
     ``wrap``'s registry."""
@@ -73,6 +83,11 @@ def registrations() -> list[tuple[type, type, str, object, str | None]]:
         regs.append(
             (_tl.LayerNorm, LayerNorm, "layernorm", _plain_layer_norm, "timm fast-norm path on")
         )
+    if hasattr(_tl, "LayerNorm2d"):
+        regs.append(
+            (_tl.LayerNorm2d, LayerNorm2d, "layernorm", _plain_layer_norm,
+             "timm fast-norm path on")
+        )  # fmt: skip
     gelu = getattr(getattr(_tl, "activations", None), "GELU", None)
     if gelu is not None and gelu is not nn.GELU:
         regs.append((gelu, GELU, "gelu", None, None))
