@@ -110,6 +110,10 @@ class MemoryBreakdown:
         ]
         lines = [f"| {self.device} | MiB |", "|---|---|"]
         lines += [f"| {k} | {'-' if v is None else f'{v / _MIB:.2f}'} |" for k, v in rows]
+        if any(v is None for _, v in rows):
+            lines += ["", f"-: not measured on {self.device}: the allocator's counters that "
+                      "give these rows (torch.cuda.memory_allocated, max_memory_allocated) are "
+                      "CUDA's; activations then count what is saved for backward"]  # fmt: skip
         return "\n".join(lines)
 
 

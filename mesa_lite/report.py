@@ -161,8 +161,25 @@ class MemoryReport:
             )
         return "\n".join(lines)
 
+    def summary(self) -> str:
+        """The totals in two lines: activations plain and wrapped with the reduction, and the
+        autocast weight copies where there are any."""
+        mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+        lines = [
+            f"activations kept for backward: {mib(self.plain_total)} plain, "
+            f"{mib(self.compressed_total)} wrapped ({self.reduction:.2f}x less)"
+        ]
+        if self.plain_weight_copy_total or self.compressed_weight_copy_total:
+            lines.append(
+                f"autocast weight copies kept: {mib(self.plain_weight_copy_total)} plain, "
+                f"{mib(self.compressed_weight_copy_total)} wrapped (not in the reduction)"
+            )
+        return "\n".join(lines)
+
     def __str__(self) -> str:
-        return self.table()
+        """The summary, the table by module type, then the per-module table."""
+        parts = [self.summary(), "by module type:\n" + self.table(by_kind=True)]
+        return "\n\n".join([*parts, "by module:\n" + self.table()])
 
 
 @contextlib.contextmanager
@@ -360,11 +377,11 @@ def memory_report(
         model: a (wrapped) model; it is put in train mode for the two forwards and restored.
         example_inputs: positional inputs of the forward (kwargs are passed on too).
         autocast: run the forwards under ``torch.autocast`` with this dtype.
-        print_table: also print the per-module table and the summary by module type
-            (``print(report)`` prints the per-module table).
+        print_table: also print the report (``print(report)``: the totals, the table by
+            module type, then the per-module table).
 
     Returns:
-        A MemoryReport (``str(report)`` is the per-module table).
+        A MemoryReport (``str(report)``: the totals, then the tables).
 
     Warns:
         UserWarning: the model has no mesa_lite module (call ``mesa_lite.wrap`` first): both
@@ -413,7 +430,5 @@ def memory_report(
         rows.append(ModuleRow(n, kinds[n], p[0], c[0], p[1], c[1]))
     report = MemoryReport(rows, plain_total, comp_total, plain_copies, comp_copies)
     if print_table:
-        print(report.table())
-        print()
-        print(report.table(by_kind=True))
+        print(report)
     return report

@@ -84,11 +84,12 @@ logger = logging.getLogger("mesa_lite")
 
 def _say(level: int, line: str) -> None:
     """``line`` as a record of ``mesa_lite``'s logger once logging is configured, else on
-    stderr (rank 0 only), unless the logger's own level or ``logging.disable`` holds it back."""
+    stderr (rank 0 only; a warning marked ``WARNING:``), unless the logger's own level or
+    ``logging.disable`` holds it back."""
     if logging.getLogger().handlers or logger.handlers:
         logger.log(level, line)
     elif level >= (logger.level or logging.INFO) and level > logging.root.manager.disable:
-        print_rank0(line)
+        print_rank0(f"WARNING: {line}" if level >= logging.WARNING else line)
 
 
 @dataclasses.dataclass(frozen=True)

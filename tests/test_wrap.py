@@ -576,11 +576,11 @@ print("end", file=sys.stderr)
 
 # setup -> (prefix of the ViT's INFO line or None, prefix of the CNN's WARNING line or None)
 _SETUPS = {
-    "unconfigured": ("mesa_lite.wrap: ", "mesa_lite.wrap: "),
+    "unconfigured": ("mesa_lite.wrap: ", "WARNING: mesa_lite.wrap: "),
     "configured": ("mesa_lite INFO mesa_lite.wrap: ", "mesa_lite WARNING mesa_lite.wrap: "),
     "warning-root": (None, "mesa_lite WARNING mesa_lite.wrap: "),
     "own-handler": ("own INFO mesa_lite.wrap: ", "own WARNING mesa_lite.wrap: "),
-    "level-warning": (None, "mesa_lite.wrap: "),
+    "level-warning": (None, "WARNING: mesa_lite.wrap: "),
     "disabled": (None, None),
     "rank-1": (None, None),
 }
@@ -641,9 +641,10 @@ def test_first_wrap_of_a_cnn_a_vit_and_an_llm_prints_one_line_each(tmp_path):
     script.write_text(_REAL_MODELS)
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                          timeout=300, check=True)  # fmt: skip
-    lines = [line for line in run.stderr.splitlines() if line.startswith("mesa_lite.wrap")]
+    lines = [line for line in run.stderr.splitlines() if "mesa_lite.wrap: " in line]
     assert len(lines) == 3, run.stderr
     cnn, vit, llm = lines
+    assert cnn.startswith("WARNING: mesa_lite.wrap: ") and vit.startswith("mesa_lite.wrap: ")
     assert "of ResNet" in cnn and "OPT_IN_KINDS" in cnn, cnn
     assert "of VisionTransformer (linear 49" in vit and "OPT_IN_KINDS" not in vit, vit
     assert "of GPT2LMHeadModel" in llm and "loss 1" in llm, llm
