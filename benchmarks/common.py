@@ -446,6 +446,32 @@ class StepTimer:
     def median_ms(self) -> float:
         return statistics.median(self.times_ms)
 
+    def spread(self) -> float:
+        """The interquartile range of the step times over their median (0 below 3 steps)."""
+        if len(self.times_ms) < 3:
+            return 0.0
+        q1, _, q3 = statistics.quantiles(self.times_ms, n=4, method="inclusive")
+        return (q3 - q1) / statistics.median(self.times_ms)
+
+
+# the relative spread of step times (interquartile range over median) above which a script
+# times more steps and warns that its step ratios may be off, as mesa_lite.planner does
+NOISE = 0.10
+
+
+def noise_warning(rows: list[dict]) -> str | None:
+    """A warning naming the rows whose step times spread beyond ``NOISE`` (``step_spread``),
+    or None."""
+    noisy = [r for r in rows if r.get("step_spread", 0.0) > NOISE]
+    if not noisy:
+        return None
+    names = ", ".join(f"{r.get('label', r.get('mode', '?'))} {r['step_spread']:.0%}" for r in noisy)
+    return (
+        f"WARNING: step times varied beyond {NOISE:.0%} (interquartile range over median) for "
+        f"{names}: the step ratios may be off (a loaded machine?); run again on an idle one "
+        "or with more --steps"
+    )
+
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
