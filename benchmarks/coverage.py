@@ -149,7 +149,11 @@ def measure(name: str, args) -> dict | None:
     report = mesa_lite.memory_report(
         model, x.to(device), autocast=torch_dtype(args.dtype), print_table=False
     )
-    wrapped = {n for n in mesa_lite.wrapped_modules(model)}
+    from mesa_lite.modules import FusedBlock
+
+    # a fused block's bytes are its block-level Functions' (its layers, compressed)
+    wrapped = set(mesa_lite.wrapped_modules(model))
+    wrapped |= {n for n, m in model.named_modules() if isinstance(m, FusedBlock)}
     plain: dict[str, int] = {}
     for r in report.rows:
         if r.name not in wrapped and r.compressed_bytes:
