@@ -46,6 +46,7 @@ the fastest is kept.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -602,9 +603,28 @@ NOISE = 0.10
 _MORE = 4
 
 
-def _step_seconds(model, step_fn, optimizer, steps: int, device) -> tuple[float, float]:
+def _progress(total: int, desc: str, enabled: bool):
+    """A tqdm bar on stderr (off when stderr is not a terminal, or tqdm is not installed)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm comes with the bench and test extras
+        enabled = False
+    if not enabled:
+        return contextlib.nullcontext(_NoBar())
+    return tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True, disable=None)
+
+
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+
+def _step_seconds(model, step_fn, optimizer, steps: int, device, bar=None) -> tuple[float, float]:
     """(median seconds, relative spread) of ``steps`` synchronized training steps, or of up to
-    ``_MORE`` times as many while the spread is above ``NOISE``."""
+    ``_MORE`` times as many while the spread is above ``NOISE``; each step ticks ``bar``."""
     from mesa_lite.breakdown import train_step
 
     times: list[float] = []
@@ -624,6 +644,8 @@ def _step_seconds(model, step_fn, optimizer, steps: int, device) -> tuple[float,
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t0)
+            if bar is not None:
+                bar.update()
     return statistics.median(times), spread()
 
 
@@ -772,6 +794,7 @@ def measure(
     warmup: int = 1,
     timed: int = 3,
     sync: bool = True,
+    progress: bool = True,
 ) -> Measurements:
     """Measures ``model``'s training step under each policy applied to every repeated block.
 
@@ -805,6 +828,9 @@ def measure(
         timed: timed steps per policy, at least 1 (3 or more for the noise check).
         sync: under torch.distributed, return rank 0's measurements on every rank
             (``broadcast``), so that every rank plans the same.
+        progress: a progress bar on stderr (tqdm, when installed and stderr is a terminal)
+            whose description states the steps to run: each policy's ``warmup`` steps, one
+            counted step and ``timed`` steps (more while the times are noisy).
 
     On CUDA each policy's transient is what its measured training peak holds beyond static,
     outside and kept bytes, less the smallest such excess over the policies (the fixed
@@ -857,22 +883,29 @@ def measure(
     steps: dict[str, _Step] = {}
     firsts: dict[str, _Step] = {}
     seconds, spreads = {}, {}
-    for p in policies:
-        m = copy.deepcopy(model).train()  # a training step's costs, whatever mode it was in
-        with quietly():  # the user's wrap says what it did, not these copies
-            wrap(m, to_config(blocks, [p] * len(blocks), base, leaves))
-        opt = optimizer_fn(m.parameters()) if optimizer_fn is not None else None
-        # the first step, counted too: a ReLU learns only in its first backward that the
-        # next convolution reuses its codes, so a freshly wrapped model keeps more then
-        firsts[p] = _kept_by_block(m, step_fn, opt, blocks, device, exclude)
-        for _ in range(warmup - 1):
-            train_step(m, step_fn, opt)
-        steps[p] = _kept_by_block(m, step_fn, opt, blocks, device, exclude) if warmup else \
-            firsts[p]  # fmt: skip
-        step, spreads[p] = _step_seconds(m, step_fn, opt, timed, device)
-        seconds[p] = step / len(blocks)
-        del m, opt
-        gc.collect()
+    per = warmup + 1 + timed if warmup else 1 + timed
+    desc = f"planner.measure: {len(policies)} policies x {per} steps"
+    with _progress(len(policies) * per, desc, progress) as bar:
+        for p in policies:
+            bar.set_postfix_str(p)
+            m = copy.deepcopy(model).train()  # a training step's costs, whatever mode it was in
+            with quietly():  # the user's wrap says what it did, not these copies
+                wrap(m, to_config(blocks, [p] * len(blocks), base, leaves))
+            opt = optimizer_fn(m.parameters()) if optimizer_fn is not None else None
+            # the first step, counted too: a ReLU learns only in its first backward that the
+            # next convolution reuses its codes, so a freshly wrapped model keeps more then
+            firsts[p] = _kept_by_block(m, step_fn, opt, blocks, device, exclude)
+            bar.update()
+            for _ in range(warmup - 1):
+                train_step(m, step_fn, opt)
+                bar.update()
+            steps[p] = _kept_by_block(m, step_fn, opt, blocks, device, exclude) if warmup else \
+                firsts[p]  # fmt: skip
+            bar.update(1 if warmup else 0)
+            step, spreads[p] = _step_seconds(m, step_fn, opt, timed, device, bar)
+            seconds[p] = step / len(blocks)
+            del m, opt
+            gc.collect()
     noisy = {p: v for p, v in spreads.items() if v > NOISE}
     if noisy:
         warnings.warn(

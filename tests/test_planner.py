@@ -757,3 +757,53 @@ def test_bad_step_counts_are_refused(timed, warmup):
     what = "timed" if timed != 1 else "warmup"
     with pytest.raises(ValueError, match=f"measure: {what} must be"):
         planner.measure(model, lambda m: m(x).sum(), blocks=["0", "1"], timed=timed, warmup=warmup)
+
+
+def test_measure_shows_progress_with_the_step_count_up_front(monkeypatch):
+    """planner.measure draws a tqdm bar whose description states the steps it will run (each
+    policy's warmup, one counted step and the timed ones) and ticks once a step (issue 53: a
+    200 s measure printed nothing)."""
+    import tqdm
+
+    from mesa_lite import planner
+
+    made = []
+
+    class Bar:
+        def __init__(self, total, desc, **kw):
+            self.total, self.desc, self.n, self.postfix = total, desc, 0, []
+            made.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def update(self, n=1):
+            self.n += n
+
+        def set_postfix_str(self, s):
+            self.postfix.append(s)
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    t = [0.0]
+
+    def steady():  # every step lasts 10 ms: no noise, so exactly `timed` steps are timed
+        t[0] += 0.005
+        return t[0]
+
+    monkeypatch.setattr(planner.time, "perf_counter", steady)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+                                  for _ in range(2)])  # fmt: skip
+    x = torch.randn(4, 8)
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    planner.measure(model, lambda m: m(x).pow(2).mean(), opt, policies=("plain", "int8"),
+                    blocks=["0", "1"], warmup=2, timed=3)  # fmt: skip
+    (bar,) = made
+    assert bar.desc == "planner.measure: 2 policies x 6 steps" and bar.total == 12
+    assert bar.n == 12 and bar.postfix == ["plain", "int8"]
+    made.clear()
+    planner.measure(model, lambda m: m(x).pow(2).mean(), policies=("plain",), blocks=["0", "1"],
+                    progress=False)  # fmt: skip
+    assert made == []
