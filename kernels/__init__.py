@@ -7,7 +7,7 @@ if __name__ != "mesa_lite.kernels":
     # This folder imported as a top-level `kernels`: the repository root is on sys.path (`python
     # -m pytest` or a source build run there). That name is Hugging Face's package, which
     # transformers imports and whose setuptools plugin every build in its environment loads: the
-    # import goes to it, or fails as if this folder were not there.
+    # import goes to it, or to an empty stand-in where it is not installed.
     import importlib.machinery as _machinery
     import importlib.util as _util
     import os as _os
@@ -16,15 +16,17 @@ if __name__ != "mesa_lite.kernels":
     _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     _path = [p for p in _sys.path if _os.path.abspath(p or _os.curdir) != _root]
     _spec = _machinery.PathFinder.find_spec(__name__, _path)
-    if _spec is None or _spec.origin is None:  # none, or only a folder without __init__.py
-        raise ModuleNotFoundError(
-            f"No module named {__name__!r} ({_os.path.dirname(__file__)} is mesa_lite.kernels, "
-            "never a top-level package)",
-            name=__name__,
-        )
-    _real = _util.module_from_spec(_spec)
-    _sys.modules[__name__] = _real  # what the import statement returns
-    _spec.loader.exec_module(_real)
+    if _spec is not None and _spec.origin is not None:  # the installed package
+        _real = _util.module_from_spec(_spec)
+        _sys.modules[__name__] = _real  # what the import statement returns
+        _spec.loader.exec_module(_real)
+    else:  # none, or only a folder without __init__.py
+        # an empty stand-in, as such a folder gives (a namespace package: no __file__, nothing
+        # in it), so that a probe for the package (transformers' is_kernels_available, which
+        # imports it when no distribution of that name is installed) finds none
+        _real = _util.module_from_spec(_machinery.ModuleSpec(__name__, None, is_package=True))
+        _real.__path__ = []
+        _sys.modules[__name__] = _real
 else:
     from .bits import dropout_backward, dropout_backward_ref, pack_bits, pack_bits_ref, unpack_bits
     from .group_quant import (

@@ -180,22 +180,23 @@ def test_the_kernels_folder_is_never_the_kernels_package():
     """kernels/ installs as mesa_lite.kernels; the top-level name is Hugging Face's package,
     which transformers 5.24+ imports and whose setuptools plugin every build in its environment
     loads. The tests never see the folder by that name, and where the repository root is on
-    sys.path (`python -c` there, a source build) `import kernels` gives that package, or fails as
-    it would without the folder."""
+    sys.path (`python -c` there, a source build) `import kernels` gives that package, or an empty
+    stand-in without it, so that transformers (5.17 imports it to probe for it) still imports."""
     import importlib.metadata
     import importlib.util
 
     spec = importlib.util.find_spec("kernels")
     assert spec is None or not spec.origin or not spec.origin.startswith(str(ROOT / "kernels"))
-    code = "import kernels, mesa_lite.kernels as m; print(kernels.__file__, m.quantize)"
+    code = ("import kernels, mesa_lite.kernels as m; from transformers import LlamaConfig; "
+            "print(getattr(kernels, '__file__', None), sorted(vars(kernels).get('__all__', [])),"
+            " m.quantize.__name__)")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    where = proc.stdout.split()[0]
     try:
         importlib.metadata.version("kernels")
-    except importlib.metadata.PackageNotFoundError:  # no such package: no such module
-        assert proc.returncode == 1
-        assert "No module named 'kernels'" in proc.stderr, proc.stderr[-1000:]
-        assert "is mesa_lite.kernels, never a top-level package" in proc.stderr
+    except importlib.metadata.PackageNotFoundError:  # an empty stand-in: nothing of ours in it
+        assert proc.stdout.split() == ["None", "[]", "quantize"], proc.stdout
     else:  # Hugging Face's, installed with transformers 5.24+
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        assert "site-packages" in proc.stdout and str(ROOT / "kernels") not in proc.stdout
+        assert "site-packages" in where and str(ROOT / "kernels") not in where, proc.stdout
