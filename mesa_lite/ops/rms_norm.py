@@ -116,10 +116,6 @@ class RMSNormFn(torch.autograd.Function):
             g_h = g if weight is None else g * weight.float()
         g_x = None
         if need_x:
-            # a row whose squares overflowed fp32 (rstd 0, its kept h all zeros): PyTorch's
-            # gradient goes through 0 * inf there, NaN, so GradScaler skips the step; the
-            # analytic form would give zeros
-            rstd = rstd.masked_fill(rstd == 0, float("nan"))
             g_x = (rstd * (g_h - h * (g_h * h).mean(red, keepdim=True))).to(x_dtype)
         return g_x, g_w, None, None, None, None
 
