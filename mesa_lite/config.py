@@ -317,6 +317,6 @@ def override_matches(name: str, pattern: str) -> bool:
     ``name``: the module it names, or one inside it."""
     import fnmatch
 
-    if name == pattern or name.startswith(pattern + "."):
+    if name == pattern or name.startswith(pattern + ".") or pattern == "":  # "": the root
         return True
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, pattern + ".*")

@@ -190,39 +190,42 @@ _PLAIN = (bool, int, float, str, type(None), tuple)
 _MISSING = object()
 
 
-def _fields(obj) -> dict | None:
-    """A copy of the fields of an object a module holds (a model config), to compare with
-    later; None for a plain value or an object without fields."""
-    if isinstance(obj, _PLAIN) or not hasattr(obj, "__dict__") or callable(obj):
-        return None
-    return copy.deepcopy(vars(obj))
+def _snapshot(value):
+    """A copy of a container a module holds (dict, list, set: a forward may read it, and it may
+    change in place), to compare with later; None for anything else. An object's fields (a
+    model config's) are not copied: a proof cannot tell which of them the forward reads, and
+    a change to any other (``config.use_cache = False`` after wrap, which Hugging Face scripts
+    do) must not turn fusion off."""
+    if isinstance(value, (dict, list, set)):
+        return copy.deepcopy(value)
+    return None
 
 
 def proved_attrs(module: nn.Module) -> tuple:
-    """``(sub-module, name, value, fields)`` for each plain attribute of ``module`` and its
+    """``(sub-module, name, value, copy)`` for each plain attribute of ``module`` and its
     children that a proof assumed (tensors, modules and private names left out, and a
-    dropout's ``p``: the fused path reads it on each call); ``fields``: a copy of the fields of
-    an object held (a model config: a proof read them too), else None."""
-    return tuple((m, k, v, _fields(v)) for m in module.modules() for k, v in proof_attrs(m)
+    dropout's ``p``: the fused path reads it on each call); ``copy``: the value's contents
+    when it is a container (``_snapshot``), else None."""
+    return tuple((m, k, v, _snapshot(v)) for m in module.modules() for k, v in proof_attrs(m)
                  if not (k == "p" and isinstance(m, nn.Dropout)))  # fmt: skip
 
 
 def still_proved(m: nn.Module) -> bool:
     """Whether ``m``'s attributes are those its proof ran with (``proved_attrs``): each the
-    same object or an equal plain value, an object's fields equal to its copy (a
+    same object or an equal plain value, a container's contents equal to their copy (a
     microsecond or so per attribute a call)."""
     items = m.__dict__.get("_mesa_proved_attrs")
     if items is None:
         return False
-    for sub, k, v, fields in items:
+    for sub, k, v, contents in items:
         now = sub.__dict__.get(k, _MISSING)
         if now is not v and not (type(now) is type(v) and isinstance(v, _PLAIN) and now == v):
             return False
-        if fields is not None:
+        if contents is not None:
             try:
-                if not bool(vars(v) == fields):
+                if not bool(v == contents):
                     return False
-            except Exception:  # noqa: BLE001 - a field whose == is not a bool: changed
+            except Exception:  # noqa: BLE001 - contents whose == is not a bool: changed
                 return False
     return True
 

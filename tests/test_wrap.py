@@ -699,3 +699,6 @@ def test_an_override_naming_a_block_applies_to_what_it_contains():
         specs["0.feed_forward.w2"] == 2 and specs["0.ffn_norm"] == specs["1.feed_forward.w1"] == 8
     )
     assert isinstance(model[1].feed_forward, GatedMlp)
+    # the root's name, "", contains every module (it reached only the root's own kind before)
+    model = mesa_lite.wrap(copy.deepcopy(plain), Config(overrides={"": {"bits": 4}}))
+    assert {m.mesa_spec.bits for m in mesa_lite.wrapped_modules(model).values()} == {4}
