@@ -190,65 +190,43 @@ _PLAIN = (bool, int, float, str, type(None), tuple)
 _MISSING = object()
 
 
-def held_objects(m: nn.Module):
-    """``(name, value)`` of the objects with fields of their own that ``m`` holds (a model
-    config): a proof records which of their fields the forward reads (``recognize``)."""
-    for k, v in proof_attrs(m):
-        if not isinstance(v, (*_PLAIN, dict, list, set)) and hasattr(v, "__dict__"):
-            if not callable(v):
-                yield k, v
-
-
-def _snapshot(sub: nn.Module, name: str, k: str, value, reads: dict):
-    """What to compare ``value`` with later: a copy of a container's contents (a dict a forward
-    reads may change in place), the fields of a held object that the proof read (``reads``,
-    from ``recognize``: other fields may change freely, as ``config.use_cache = False`` after
-    wrap), else None."""
+def _snapshot(value):
+    """A copy of a container a module holds (dict, list, set: a forward may read it, and it may
+    change in place), to compare with later; None for anything else. An object's fields (a
+    model config's) are not copied: a proof cannot tell which of them the forward reads, and
+    a change to any other (``config.use_cache = False`` after wrap, which Hugging Face scripts
+    do) must not turn fusion off."""
     if isinstance(value, (dict, list, set)):
         return copy.deepcopy(value)
-    fields = reads.get((name, k))
-    if fields:
-        got = {f: getattr(value, f, _MISSING) for f in sorted(fields)}
-        got = {f: v for f, v in got.items() if not callable(v) or v is _MISSING}
-        try:
-            return copy.deepcopy(got)  # a field may be a dict changed in place (rope_scaling)
-        except Exception:  # noqa: BLE001 - a field that cannot be copied: compared by identity
-            return got
     return None
 
 
 def proved_attrs(module: nn.Module) -> tuple:
-    """``(sub-module, name, value, what)`` for each plain attribute of ``module`` and its
+    """``(sub-module, name, value, copy)`` for each plain attribute of ``module`` and its
     children that a proof assumed (tensors, modules and private names left out, and a
-    dropout's ``p``: the fused path reads it on each call); ``what``: ``_snapshot``'s."""
-    reads = module.__dict__.get("_mesa_proof_reads", {})
-    return tuple((m, k, v, _snapshot(m, name, k, v, reads)) for name, m in module.named_modules()
-                 for k, v in proof_attrs(m)
+    dropout's ``p``: the fused path reads it on each call); ``copy``: the value's contents
+    when it is a container (``_snapshot``), else None."""
+    return tuple((m, k, v, _snapshot(v)) for m in module.modules() for k, v in proof_attrs(m)
                  if not (k == "p" and isinstance(m, nn.Dropout)))  # fmt: skip
-
-
-def _same_contents(v, saved) -> bool:
-    try:
-        if isinstance(v, (dict, list, set)):
-            return bool(v == saved)
-        return all(bool(getattr(v, f, _MISSING) == x) for f, x in saved.items())
-    except Exception:  # noqa: BLE001 - contents whose == is not a bool: changed
-        return False
 
 
 def still_proved(m: nn.Module) -> bool:
     """Whether ``m``'s attributes are those its proof ran with (``proved_attrs``): each the
-    same object or an equal plain value, a container's contents and a held object's fields
-    the proof read equal to their copies (a microsecond or so per attribute a call)."""
+    same object or an equal plain value, a container's contents equal to their copy (a
+    microsecond or so per attribute a call)."""
     items = m.__dict__.get("_mesa_proved_attrs")
     if items is None:
         return False
-    for sub, k, v, saved in items:
+    for sub, k, v, contents in items:
         now = sub.__dict__.get(k, _MISSING)
         if now is not v and not (type(now) is type(v) and isinstance(v, _PLAIN) and now == v):
             return False
-        if saved is not None and not _same_contents(v, saved):
-            return False
+        if contents is not None:
+            try:
+                if not bool(v == contents):
+                    return False
+            except Exception:  # noqa: BLE001 - contents whose == is not a bool: changed
+                return False
     return True
 
 

@@ -70,7 +70,6 @@ from mesa_lite.modules import (
     Linear,
     MesaModule,
     RMSNorm,
-    held_objects,
     plain_modules,
     proof_attrs,
     proved_attrs,
@@ -339,63 +338,15 @@ def _key(what: str, module: nn.Module) -> tuple:
     return tuple(parts)
 
 
-class _Reads:
-    """Stands in for an object a module holds (a model config) while a proof runs: records the
-    names of the fields the forward reads, which ``modules.still_proved`` then re-checks."""
-
-    __slots__ = ("_obj", "_seen")
-
-    def __init__(self, obj, seen: set) -> None:
-        object.__setattr__(self, "_obj", obj)
-        object.__setattr__(self, "_seen", seen)
-
-    def __getattr__(self, name):
-        self._seen.add(name)
-        return getattr(self._obj, name)
-
-    def __setattr__(self, name, value) -> None:
-        setattr(self._obj, name, value)
-
-    @property
-    def __class__(self):  # isinstance checks in a forward see the object's class
-        return type(self._obj)
-
-
-@contextlib.contextmanager
-def _recording_reads(module: nn.Module):
-    """While inside, the objects ``module`` and its children hold (``modules.held_objects``)
-    are ``_Reads`` stand-ins; yields {(sub-module name, attribute): names read}."""
-    reads: dict[tuple[str, str], set] = {}
-    held = [(name, sub, k, v) for name, sub in module.named_modules()
-            for k, v in held_objects(sub)]  # fmt: skip
-    try:
-        for name, sub, k, v in held:
-            sub.__dict__[k] = _Reads(v, reads.setdefault((name, k), set()))
-        yield reads
-    finally:
-        for _, sub, k, v in held:
-            sub.__dict__[k] = v
-
-
 def _cached(what: str, module: nn.Module, run: Callable[[], object]):
-    """``run()``'s result, once for modules alike (``_key``); the fields of held objects its
-    proofs read are set on ``module`` as ``_mesa_proof_reads`` (``modules.proved_attrs``)."""
     try:
         key = _key(what, module)
         hash(key)
     except TypeError:  # an unhashable attribute: prove this one on its own
-        key = None
-    if key is None or key not in _CACHE:
-        with _recording_reads(module) as reads:
-            result = run()
-        found = (result, {k: frozenset(v) for k, v in reads.items() if v})
-        if key is None:
-            module.__dict__["_mesa_proof_reads"] = found[1]
-            return result
-        _CACHE[key] = found
-    result, reads = _CACHE[key]
-    module.__dict__["_mesa_proof_reads"] = reads
-    return result
+        return run()
+    if key not in _CACHE:
+        _CACHE[key] = run()
+    return _CACHE[key]
 
 
 # ---- RMSNorm --------------------------------------------------------------------------------

@@ -657,7 +657,7 @@ class _MlpConfig:
 
 
 class ConfigGatedMlp(nn.Module):
-    """A gated MLP whose forward reads a dict it holds and one field of the config it holds."""
+    """A gated MLP whose forward reads a dict it holds; it holds a config too (unread)."""
 
     def __init__(self, config, h=16, i=40):
         super().__init__()
@@ -669,8 +669,6 @@ class ConfigGatedMlp(nn.Module):
 
     def forward(self, x):
         act = F.silu if self.acts["act"] == "silu" else F.gelu
-        if self.config.hidden_act != "silu":  # a config field the forward reads
-            act = F.gelu
         return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -693,9 +691,10 @@ def test_what_a_proof_read_is_checked_again_on_each_call():
     """A dict a fused MLP's forward reads, changed in place, or a plain attribute of an RMSNorm
     recognised by proof, after wrap: the module runs its own forward, which reads it (both ran
     the proved formula and differed from the unwrapped model before); put back, the fused or
-    formula path runs again. Re-wrapping keeps the check. Of a held config, only the fields
-    the proof saw the forward read are re-checked: one it does not read changed (use_cache, as
-    scripts set after loading) leaves the fusion on; the one it reads (hidden_act) does not."""
+    formula path runs again. Re-wrapping keeps the check. A field of a held config changed
+    (use_cache, as scripts set after loading) leaves the fusion on: the check cannot tell which
+    fields a forward reads, and a config field read by a forward is not re-checked (the
+    closing note of issue 50 says so)."""
     torch.manual_seed(0)
     plain = _randomize(nn.Sequential(ConfigGatedMlp(_MlpConfig()), ScaledRMSNorm()))
     x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(0))
@@ -707,18 +706,6 @@ def test_what_a_proof_read_is_checked_again_on_each_call():
         assert isinstance(wrapped[0], GatedMlp) and isinstance(wrapped[1], RMSNorm)
         wrapped[0].config.use_cache = False
         assert {"GatedMlpFnBackward", "RMSNormFnBackward"} <= graph(wrapped), graph(wrapped)
-        for field, value in (("hidden_act", "gelu"), ("acts", "gelu")):
-            for m in (plain, wrapped):
-                if field == "acts":
-                    m[0].acts["act"] = value
-                else:
-                    setattr(m[0].config, field, value)
-            assert_equal(wrapped(x), plain(x), f"forward with {field} changed")
-            assert "GatedMlpFnBackward" not in graph(wrapped), field
-            for m in (plain, wrapped):
-                m[0].config.hidden_act = "silu"
-                m[0].acts["act"] = "silu"
-            assert "GatedMlpFnBackward" in graph(wrapped), field
         for m in (plain, wrapped):
             m[0].acts["act"] = "gelu"
             m[1].scale = 2.0
