@@ -55,6 +55,9 @@ setup(
             "accelerate>=1.1",
             # the LoRA recipe's test (PEFT on a wrapped model, either order)
             "peft>=0.13",
+            # tests/test_packaging.py builds the wheel with this environment's setuptools
+            # (bdist_wheel built in from 70.1)
+            "setuptools>=70.1",
         ],
         "bench": [
             "timm>=1.0",
