@@ -248,7 +248,33 @@ def _say(msg: str) -> None:
     print_rank0(f"mesa_lite.timm_train: {msg}")
 
 
-def install_hook(config: Config) -> Callable[[], None]:
+def _img_size(train_args: Sequence[str]) -> int | None:
+    """The value of train.py's ``--img-size`` in its arguments, or None."""
+    for i, a in enumerate(train_args):
+        if a == "--img-size" and i + 1 < len(train_args) and train_args[i + 1].isdigit():
+            return int(train_args[i + 1])
+        if a.startswith("--img-size=") and a.split("=", 1)[1].isdigit():
+            return int(a.split("=", 1)[1])
+    return None
+
+
+def _check_img_size(model, model_name: str, img_size: int | None) -> None:
+    """Refuses, before training, a model built for another input size than train.py's
+    ``--img-size`` feeds it (that option sets the data pipeline only; a ViT's fixed size comes
+    from ``--model-kwargs img_size=N``)."""
+    embed = getattr(model, "patch_embed", None)
+    built = getattr(embed, "img_size", None)
+    if img_size is None or built is None or getattr(embed, "dynamic_img_size", False):
+        return
+    if tuple(built) != (img_size, img_size):
+        raise SystemExit(
+            f"mesa_lite.timm_train: error: train.py's --img-size {img_size} sets the data "
+            f"pipeline only, and {model_name} was built for {tuple(built)} inputs: add "
+            f"--model-kwargs img_size={img_size} to train.py's arguments"
+        )
+
+
+def install_hook(config: Config, img_size: int | None = None) -> Callable[[], None]:
     """Replaces ``timm.create_model`` and ``timm.models.create_model`` so that the first model
     created is wrapped with ``config`` right after creation; later ones are returned unchanged.
 
@@ -257,6 +283,8 @@ def install_hook(config: Config) -> Callable[[], None]:
 
     Args:
         config: the Config to wrap the first model with.
+        img_size: train.py's ``--img-size``: a first model built for another fixed input
+            size is refused with the fix (``_check_img_size``).
 
     Returns:
         a function that puts the replaced functions back.
@@ -286,6 +314,7 @@ def install_hook(config: Config) -> Callable[[], None]:
             # and run in eval mode, where wrapped layers would run the plain op anyway.
             _say(f"not wrapping {model_name}: only the first model ({first[0]}) is wrapped")
             return model
+        _check_img_size(model, model_name, img_size)
         first.append(str(model_name))
         mesa_lite.wrap(model, config)
         n = len(mesa_lite.wrapped_modules(model))
@@ -353,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         _say("--mesa-off: running train.py without mesa_lite")
         restore = None
     else:
-        restore = install_hook(config)
+        restore = install_hook(config, _img_size(args.train_args))
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [args.train_py, *args.train_args]
     # as `python train.py` would: train.py's own folder first on the import path

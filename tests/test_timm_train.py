@@ -429,3 +429,31 @@ def test_torchcompile_of_the_wrapped_model_goes_through_mesa_lite_compile(monkey
     assert k0["dynamic"] is False
     assert m1 is plain and "options" not in k1 and k1 == {"backend": "inductor"}
     assert m2 is len and k2 == {}
+
+
+def test_an_img_size_the_model_was_not_built_for_is_refused_with_the_fix():
+    """train.py's --img-size sets the data pipeline only (issue 53: the first small run failed
+    inside the model): a ViT built for another fixed size is refused before training, naming
+    --model-kwargs img_size=N; a model built for it, or a CNN, trains as asked."""
+    import timm
+
+    assert timm_train._img_size(["--img-size", "32", "-b", "4"]) == 32
+    assert timm_train._img_size(["--img-size=48"]) == 48
+    assert timm_train._img_size(["-b", "4"]) is None
+    config = mesa_lite.Config(bits=8, layers={"linear"})
+    for kwargs, refused in (({"depth": 2, "num_classes": 2}, True), (MODEL_KWARGS, False)):
+        restore = timm_train.install_hook(config, img_size=32)
+        try:
+            if refused:
+                with pytest.raises(SystemExit, match=r"--img-size 32 sets the data pipeline "
+                                   r"only.*\(224, 224\).*--model-kwargs img_size=32"):  # fmt: skip
+                    timm.create_model(MODEL, **kwargs)
+            else:
+                assert mesa_lite.wrapped_modules(timm.create_model(MODEL, **kwargs))
+        finally:
+            restore()
+    restore = timm_train.install_hook(config, img_size=32)
+    try:  # a convolutional network takes any input size
+        timm.create_model("resnet18", num_classes=2)
+    finally:
+        restore()
