@@ -447,11 +447,11 @@ class StepTimer:
         return statistics.median(self.times_ms)
 
     def spread(self) -> float:
-        """The interquartile range of the step times over their median (0 below 3 steps)."""
-        if len(self.times_ms) < 3:
-            return 0.0
-        q1, _, q3 = statistics.quantiles(self.times_ms, n=4, method="inclusive")
-        return (q3 - q1) / statistics.median(self.times_ms)
+        """The interquartile range of the step times over their median (0 below 3 steps), as
+        the planner judges its timings (``mesa_lite.planner.relative_spread``)."""
+        from mesa_lite.planner import relative_spread
+
+        return relative_spread(self.times_ms)
 
 
 # the relative spread of step times (interquartile range over median) above which a script

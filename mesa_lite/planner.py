@@ -603,6 +603,15 @@ NOISE = 0.10
 _MORE = 4
 
 
+def relative_spread(times) -> float:
+    """The interquartile range of ``times`` over their median (0 below 3 values): how noisy
+    step timings are, against ``NOISE``."""
+    if len(times) < 3:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(times)
+
+
 def _progress(total: int, desc: str, enabled: bool):
     """A tqdm bar on stderr (off when stderr is not a terminal, or tqdm is not installed)."""
     try:
@@ -628,13 +637,7 @@ def _step_seconds(model, step_fn, optimizer, steps: int, device, bar=None) -> tu
     from mesa_lite.breakdown import train_step
 
     times: list[float] = []
-
-    def spread() -> float:
-        if len(times) < 3:
-            return 0.0
-        q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
-        return (q3 - q1) / statistics.median(times)
-
+    spread = lambda: relative_spread(times)  # noqa: E731
     while not times or (spread() > NOISE and len(times) < steps * _MORE):
         for _ in range(steps):
             if device.type == "cuda":
@@ -901,7 +904,8 @@ def measure(
                 bar.update()
             steps[p] = _kept_by_block(m, step_fn, opt, blocks, device, exclude) if warmup else \
                 firsts[p]  # fmt: skip
-            bar.update(1 if warmup else 0)
+            if warmup:
+                bar.update()
             step, spreads[p] = _step_seconds(m, step_fn, opt, timed, device, bar)
             seconds[p] = step / len(blocks)
             del m, opt

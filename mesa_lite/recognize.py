@@ -129,20 +129,20 @@ _PROBE_RNG = torch.Generator().manual_seed(1234).get_state()
 @contextlib.contextmanager
 def _probing(module: nn.Module):
     """``module`` in training mode with random CPU parameters, no grad, no autocast, the CPU
-    RNG forked (the caller's state comes back), its mesa_lite sub-modules running plain (a
-    proof is of the formula, whatever the setting: compressed children at 4 bits or with
-    stochastic rounding differ from call to call); every sub-module's mode and spec restored
-    after."""
+    RNG forked (the caller's state comes back), its mesa_lite sub-modules running plain
+    (``report.plain_model``: a proof is of the formula, whatever the setting; compressed
+    children at 4 bits or with stochastic rounding differ from call to call); every
+    sub-module's mode restored after."""
     from torch.nn.utils.stateless import _reparametrize_module
 
+    from mesa_lite.report import plain_model
+
     modes = {m: m.training for m in module.modules()}
-    specs = {m: m.__dict__["mesa_spec"] for m in modes if "mesa_spec" in m.__dict__}
     try:
         for m in modes:
             m.training = True
-        for m in specs:
-            m.mesa_spec = None
         with contextlib.ExitStack() as st:
+            st.enter_context(plain_model(module))
             st.enter_context(torch.random.fork_rng(devices=[]))
             st.enter_context(torch.no_grad())
             st.enter_context(torch.autocast("cpu", enabled=False))
@@ -151,8 +151,6 @@ def _probing(module: nn.Module):
     finally:
         for m, training in modes.items():  # each as it was (train() would set them all)
             m.training = training
-        for m, spec in specs.items():
-            m.mesa_spec = spec
 
 
 def _same(a, b) -> bool:
