@@ -21,14 +21,16 @@ get code +-qmax and dequantize to +-inf, the finite ones get code 0 and dequanti
 (0 * inf). An all-zero group has scale 0 and dequantizes to exact zeros, and so does a group
 whose absmax is a denormal below ``qmax * 2**-149`` (about 1.8e-43 for 8-bit signed): its scale
 underflows to 0, so such values flush to zero. (Unsigned codes of -inf clamp to 0: NaN.)
+Finite values stay finite: where ``qmax * scale`` would round to inf (an absmax within half a
+step of float32's maximum) the scale is taken one ulp smaller, and the largest code clamps.
 
 Bit-exactness between kernel and reference: both compute ``scale = absmax / qmax`` and, once
 per group, ``inv = 1 / (scale * p)`` with IEEE round-to-nearest division (``tl.math.div_rn``; a
 tensor-by-tensor division in torch), then ``y = (x * p) * inv`` with one rounded multiply
-(``libdevice.mul_rn``, never fused into an FMA) and round half to even, so codes and scales
-match bit for bit with nearest rounding. ``p`` is 2**64 where the scale is below 2**-64,
-2**-64 where it is 2**64 or more, else 1: it keeps ``inv`` a normal float (finite for the
-tiniest scales, and not a subnormal that the compiled multiply would flush to zero for the
+(``mul.rn.f32``, never fused into an FMA nor flushed to zero) and round half to even, so
+codes and scales match bit for bit with nearest rounding. ``p`` is 2**64 where the scale is
+below 2**-64, 2**-64 where it is 2**64 or more, else 1: it keeps ``inv`` a normal float (finite
+for the tiniest scales, and not a subnormal that a flushing multiply would zero for the
 largest), and ``x * p`` is exact wherever it can move a code (an element it takes below
 2**-126 has ``|x / scale| < 2**-126`` and code 0 either way). ``y`` is ``x / scale`` up to two
 roundings (|error| <= 2**-23 |y|, under 1.6e-5 of a step at 8 bits): a per-element division
@@ -60,9 +62,25 @@ from .launch import use_triton as use_triton_for
 if HAS_TRITON:  # without it (or without CUDA) the reference runs
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 
     from .gelu import gelu_backward_fp32, gelu_fp32
+
+    # The compiled kernels' explicit round-to-nearest fp32 ops, as PTX: libdevice's mul_rn /
+    # add_rn take the .ftz forms under Triton (which sets nvvm-reflect-ftz), flushing
+    # subnormal results to zero where PyTorch keeps them; these never flush and are never
+    # contracted into an FMA. The interpreter has no inline PTX and needs neither.
+    @triton.jit
+    def mul_rn(a, b):
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+    @triton.jit
+    def add_rn(a, b):
+        return tl.inline_asm_elementwise(
+            "add.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
+
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SUPPORTED_BITS = (8, 4, 2)
@@ -228,9 +246,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _scale_of(amax_bits, QMAX: tl.constexpr):
-        """absmax / QMAX from the row's absmax bits (NaN where the row holds a NaN)."""
+        """absmax / QMAX from the row's absmax bits (NaN where the row holds a NaN), one ulp
+        smaller where ``QMAX * scale`` would overflow for a finite absmax."""
         amax = amax_bits.to(tl.float32, bitcast=True)
         scale = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+        over = (scale * QMAX == float("inf")) & (amax_bits < 0x7F800000)
+        scale = tl.where(over, (scale.to(tl.int32, bitcast=True) - 1).to(tl.float32, bitcast=True),
+                         scale)  # fmt: skip
         return tl.where(amax_bits > 0x7F800000, float("nan"), scale)
 
     @triton.jit
@@ -269,7 +291,7 @@ if HAS_TRITON:
         elsewhere (NaN too). ``RN``: the product as an explicit round-to-nearest multiply,
         which the compiler never fuses into the rounding's add (the interpreter has none)."""
         xp = x * pre  # exact: a power of two, and |x| <= QMAX * scale
-        y = libdevice.mul_rn(xp, tl.broadcast_to(inv, x.shape)) if RN else xp * inv
+        y = mul_rn(xp, tl.broadcast_to(inv, x.shape)) if RN else xp * inv
         special = tl.where(x == float("inf"), QMAX, tl.where(x == float("-inf"), -QMAX, 0.0))
         y = tl.where(finite, y, special)
         if STOCHASTIC:
@@ -480,10 +502,10 @@ if HAS_TRITON:
                 col = offs % row_len
                 if HAS_P1:
                     w = tl.load(p1_ptr + col, mask=mask, other=0.0).to(tl.float32)
-                    v = libdevice.mul_rn(v, w) if RN else v * w
+                    v = mul_rn(v, w) if RN else v * w
                 if HAS_P2:
                     b = tl.load(p2_ptr + col, mask=mask, other=0.0).to(tl.float32)
-                    v = libdevice.add_rn(v, b) if RN else v + b
+                    v = add_rn(v, b) if RN else v + b
             elif EPI == 2:  # v / rstd[row] + mean[row]; the mean where rstd is 0
                 r = offs // row_len
                 m = tl.load(p1_ptr + r, mask=mask, other=0.0).to(tl.float32)
@@ -700,6 +722,10 @@ def quantize_ref(
     amax = torch.bitwise_and(xp.view(torch.int32), 0x7FFFFFFF).amax(dim=1).view(torch.float32)
     # Tensor-by-tensor division: CUDA turns division by a Python scalar into a reciprocal multiply.
     scale = amax / torch.full_like(amax, qmax)
+    # one ulp down where qmax * scale would overflow for a finite absmax (an absmax within
+    # half a step of float32's maximum), so that no finite value dequantizes to inf
+    over = (scale * qmax).isinf() & amax.isfinite()
+    scale = torch.where(over, (scale.view(torch.int32) - 1).view(torch.float32), scale)
     finite = (scale > 0) & (scale < float("inf"))
     # x * (1 / scale), the kernel's steps: the prescale keeps 1 / scale a normal float (one
     # division per group, one rounded multiply); fp32 whatever torch's default dtype is

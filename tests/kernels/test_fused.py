@@ -97,6 +97,26 @@ def test_dequantize_epilogues_match_reference(dtype, bits, group_size, triton_de
         assert_equal(ref.view(rows, row_len), v.to(dtype), f"{epi[0]} as torch ops")
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dequantize_keeps_subnormal_results(dtype, bits, triton_device):
+    # values near float32's smallest normal: code * scale and the affine epilogue's products
+    # are subnormal, which PyTorch keeps (fp32 and bf16 share the exponent range); compiled,
+    # the kernel must not flush them to zero
+    rows, row_len = 4, 64
+    x = _x((rows, row_len), torch.float32, triton_device) * 2.0**-126
+    codes, scales = gq.quantize(x, 32, use_triton=True, bits=bits)
+    kw = dict(bits=bits, signed=True, numel=x.numel())
+    w = torch.full((row_len,), 0.03, device=triton_device)
+    for epi in (None, ("affine", w, None), ("affine", w, torch.zeros_like(w))):
+        out = gq.dequantize(codes, scales, 32, dtype, use_triton=True, epilogue=epi, **kw)
+        cpu = epi and tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in epi)
+        ref = gq.dequantize_ref(codes.cpu(), scales.cpu(), 32, dtype, epilogue=cpu, **kw)
+        tiny = (ref != 0) & (ref.float().abs() < 2.0**-126)
+        assert tiny.sum() > 20, "the case must produce subnormal results"
+        assert_equal(out.cpu(), ref, f"{epi and epi[0]}")
+
+
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 def test_dequantize_gelu_and_gelu_backward(dtype, approximate, triton_device):

@@ -195,6 +195,32 @@ def test_huge_and_tiny_groups_keep_their_codes(use_triton, signed, bits, triton_
     assert (err <= bound + 2.0**-149).all(), (err, bound)
 
 
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "reference"])
+def test_float32_max_stays_finite(use_triton, signed, bits, triton_device):
+    # absmax / qmax rounds up for some absmax near float32's maximum, and qmax * scale then
+    # rounds to inf: a finite activation must not come back as inf (GradScaler would skip a
+    # step PyTorch takes)
+    device = triton_device if use_triton else "cpu"
+    top = torch.finfo(torch.float32).max
+    near = [top, torch.nextafter(torch.tensor(top), torch.tensor(0.0)).item(), 3.3e38, 1.7e38]
+    vals = []
+    for v in near:  # one group of four per absmax, its maximum first
+        vals += [v, 0.5 * v, (-v if signed else 0.25 * v), 1.0]
+    x = torch.tensor(vals, device=device)
+    codes, scales = gq.quantize(x, 4, signed=signed, use_triton=use_triton, bits=bits)
+    out = _deq((codes, scales), 4, torch.float32, use_triton, bits, signed, x.numel()).cpu()
+    assert out.isfinite().all(), out
+    assert torch.isfinite(scales.cpu() * gq.qrange(signed, bits)[1]).all()
+    err = (out - x.cpu()).abs()
+    bound = 0.5 * _step((codes, scales.cpu()), x.numel(), 4) * (1 + 1e-5) + x.cpu().abs() * 2**-22
+    assert (err <= bound).all(), (err, bound)
+    if use_triton:  # the kernel's scales equal the reference's, bit for bit
+        ref = gq.quantize(x.cpu(), 4, signed=signed, use_triton=False, bits=bits)
+        assert torch.equal(scales.cpu().view(torch.int32), ref[1].view(torch.int32))
+
+
 def test_reference_is_fp32_whatever_the_default_dtype(triton_device):
     # a near-tie: x / scale is 93.4999996; computed in float64 it would round to 93
     x = torch.tensor([5.062565803527832, 3.7271645069122314])
