@@ -187,33 +187,81 @@ def proof_attrs(m: nn.Module):
 
 
 _PLAIN = (bool, int, float, str, type(None), tuple)
+_CONTAINERS = (dict, list, set)
 _MISSING = object()
+
+# The fields of held objects (a model config) that proofs read, by the object's id: ``id ->
+# (object, {field: value})``, filled while ``recognize``'s proofs run (``record_read``) and
+# cleared with its cache (one ``wrap`` walk).
+FIELD_READS: dict[int, tuple[object, dict[str, object]]] = {}
+
+
+def held_object(value) -> bool:
+    """An object a module holds whose fields a forward may read (a model config): not a plain
+    value, container, tensor, module, class or callable."""
+    return not (isinstance(value, (*_PLAIN, *_CONTAINERS, torch.Tensor, nn.Module, type))
+                or callable(value))  # fmt: skip
+
+
+def _value_copy(value):
+    """What to compare a value with later: plain values as they are, a container's contents
+    copied, anything else by identity."""
+    return copy.deepcopy(value) if isinstance(value, _CONTAINERS) else value
+
+
+def record_read(obj, name: str, value) -> None:
+    """Notes that a proof read ``obj.name`` (the first value read is the one assumed)."""
+    if name.startswith("_") or callable(value):  # methods: a new object on each read
+        return
+    FIELD_READS.setdefault(id(obj), (obj, {}))[1].setdefault(name, _value_copy(value))
+
+
+def _same_value(now, then) -> bool:
+    if isinstance(then, _PLAIN):
+        return type(now) is type(then) and bool(now == then)
+    if isinstance(then, _CONTAINERS):
+        return bool(now == then)
+    return now is then
+
+
+class _Fields(tuple):
+    """``(field, value)`` pairs a proof read from a held object (``FIELD_READS``)."""
+
+    def same(self, obj) -> bool:
+        try:
+            return all(_same_value(getattr(obj, k, _MISSING), v) for k, v in self)
+        except Exception:  # noqa: BLE001 - a field whose == is not a bool: changed
+            return False
 
 
 def _snapshot(value):
-    """A copy of a container a module holds (dict, list, set: a forward may read it, and it may
-    change in place), to compare with later; None for anything else. An object's fields (a
-    model config's) are not copied: a proof cannot tell which of them the forward reads, and
-    a change to any other (``config.use_cache = False`` after wrap, which Hugging Face scripts
-    do) must not turn fusion off."""
-    if isinstance(value, (dict, list, set)):
+    """What to compare with later, for a value a module holds: a copy of a container's contents
+    (a forward may read it, and it may change in place); for a held object (a model config)
+    the fields a proof read from it and their values, so that a change to any other
+    (``config.use_cache = False`` after wrap, which Hugging Face scripts do) leaves fusion on;
+    None for anything else."""
+    if isinstance(value, _CONTAINERS):
         return copy.deepcopy(value)
+    if held_object(value):
+        obj, reads = FIELD_READS.get(id(value), (None, None))
+        if obj is value and reads:
+            return _Fields(reads.items())
     return None
 
 
 def proved_attrs(module: nn.Module) -> tuple:
     """``(sub-module, name, value, copy)`` for each plain attribute of ``module`` and its
     children that a proof assumed (tensors, modules and private names left out, and a
-    dropout's ``p``: the fused path reads it on each call); ``copy``: the value's contents
-    when it is a container (``_snapshot``), else None."""
+    dropout's ``p``: the fused path reads it on each call); ``copy``: ``_snapshot``'s."""
     return tuple((m, k, v, _snapshot(v)) for m in module.modules() for k, v in proof_attrs(m)
                  if not (k == "p" and isinstance(m, nn.Dropout)))  # fmt: skip
 
 
 def still_proved(m: nn.Module) -> bool:
     """Whether ``m``'s attributes are those its proof ran with (``proved_attrs``): each the
-    same object or an equal plain value, a container's contents equal to their copy (a
-    microsecond or so per attribute a call)."""
+    same object or an equal plain value, a container's contents equal to their copy, the
+    fields a proof read from a held object equal to what it read (a microsecond or so per
+    attribute a call)."""
     items = m.__dict__.get("_mesa_proved_attrs")
     if items is None:
         return False
@@ -221,12 +269,17 @@ def still_proved(m: nn.Module) -> bool:
         now = sub.__dict__.get(k, _MISSING)
         if now is not v and not (type(now) is type(v) and isinstance(v, _PLAIN) and now == v):
             return False
-        if contents is not None:
-            try:
-                if not bool(v == contents):
-                    return False
-            except Exception:  # noqa: BLE001 - contents whose == is not a bool: changed
+        if contents is None:
+            continue
+        if type(contents) is _Fields:
+            if not contents.same(v):
                 return False
+            continue
+        try:
+            if not bool(v == contents):
+                return False
+        except Exception:  # noqa: BLE001 - contents whose == is not a bool: changed
+            return False
     return True
 
 

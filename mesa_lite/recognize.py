@@ -63,6 +63,7 @@ import torch.nn.functional as F
 
 from mesa_lite import blocks
 from mesa_lite.modules import (
+    FIELD_READS,
     GELU,
     Activation,
     Dropout,
@@ -70,9 +71,11 @@ from mesa_lite.modules import (
     Linear,
     MesaModule,
     RMSNorm,
+    held_object,
     plain_modules,
     proof_attrs,
     proved_attrs,
+    record_read,
     rms_eps,
     still_proved,
 )
@@ -127,6 +130,43 @@ _PROBE_RNG = torch.Generator().manual_seed(1234).get_state()
 
 
 @contextlib.contextmanager
+def _reading_fields(module: nn.Module):
+    """Records (``record_read``) each field read from the objects ``module`` and its children
+    hold (a model config) while the block runs: a ``__getattribute__`` on each such object's
+    class that calls the class's own and notes the read, so the object stays itself (its type,
+    truth value, ``in`` and ``len`` unchanged); each class's own restored after. An object of a
+    built-in type (whose class cannot be patched) is not recorded."""
+    held = {id(v): v for m in module.modules() for _, v in proof_attrs(m) if held_object(v)}
+    patched = {}
+    for cls in {type(v) for v in held.values()}:
+        own = cls.__dict__.get("__getattribute__", _UNSET)
+        original = cls.__getattribute__
+
+        def reading(self, name, _original=original):
+            value = _original(self, name)
+            if id(self) in held:
+                record_read(self, name, value)
+            return value
+
+        try:
+            cls.__getattribute__ = reading
+        except TypeError:  # a built-in or extension type
+            continue
+        patched[cls] = own
+    try:
+        yield
+    finally:
+        for cls, own in patched.items():
+            if own is _UNSET:
+                del cls.__getattribute__
+            else:
+                cls.__getattribute__ = own
+
+
+_UNSET = object()
+
+
+@contextlib.contextmanager
 def _probing(module: nn.Module):
     """``module`` in training mode with random CPU parameters, no grad, no autocast, the CPU
     RNG forked (the caller's state comes back), its mesa_lite sub-modules running plain
@@ -147,6 +187,7 @@ def _probing(module: nn.Module):
             st.enter_context(torch.no_grad())
             st.enter_context(torch.autocast("cpu", enabled=False))
             st.enter_context(_reparametrize_module(module, _random_state(module)))
+            st.enter_context(_reading_fields(module))
             yield
     finally:
         for m, training in modes.items():  # each as it was (train() would set them all)
@@ -315,8 +356,10 @@ _CACHE: dict[tuple, object] = {}
 
 
 def reset() -> None:
-    """Forgets the cached proofs (``wrap`` calls it before and after its walk)."""
+    """Forgets the cached proofs and the fields they read (``wrap`` calls it before and after
+    its walk)."""
     _CACHE.clear()
+    FIELD_READS.clear()
 
 
 def _plain_attrs(m: nn.Module) -> tuple:

@@ -654,10 +654,11 @@ class _MlpConfig:
     def __init__(self):
         self.hidden_act = "silu"
         self.use_cache = True
+        self.gate_scale = 1.0
 
 
 class ConfigGatedMlp(nn.Module):
-    """A gated MLP whose forward reads a dict it holds; it holds a config too (unread)."""
+    """A gated MLP whose forward reads a dict it holds and a field of the config it holds."""
 
     def __init__(self, config, h=16, i=40):
         super().__init__()
@@ -669,7 +670,10 @@ class ConfigGatedMlp(nn.Module):
 
     def forward(self, x):
         act = F.silu if self.acts["act"] == "silu" else F.gelu
-        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+        h = act(self.gate_proj(x)) * self.up_proj(x)
+        if self.config.gate_scale != 1.0:
+            h = h * self.config.gate_scale
+        return self.down_proj(h)
 
 
 class ScaledRMSNorm(nn.Module):
@@ -688,34 +692,45 @@ class ScaledRMSNorm(nn.Module):
 
 
 def test_what_a_proof_read_is_checked_again_on_each_call():
-    """A dict a fused MLP's forward reads, changed in place, or a plain attribute of an RMSNorm
-    recognised by proof, after wrap: the module runs its own forward, which reads it (both ran
-    the proved formula and differed from the unwrapped model before); put back, the fused or
-    formula path runs again. Re-wrapping keeps the check. A field of a held config changed
-    (use_cache, as scripts set after loading) leaves the fusion on: the check cannot tell which
-    fields a forward reads, and a config field read by a forward is not re-checked (the
-    closing note of issue 50 says so)."""
+    """A dict a fused MLP's forward reads, changed in place, a field of the config it holds
+    that its forward reads, or a plain attribute of an RMSNorm recognised by proof, changed
+    after wrap: the module runs its own forward, which reads it (each ran the proved formula
+    and differed from the unwrapped model before); put back, the fused or formula path runs
+    again. Re-wrapping keeps the check. A config field the forward does not read (use_cache,
+    as scripts set after loading) leaves the fusion on, and the config stays itself."""
     torch.manual_seed(0)
     plain = _randomize(nn.Sequential(ConfigGatedMlp(_MlpConfig()), ScaledRMSNorm()))
     x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(0))
     graph = lambda m: graph_nodes(m(x.clone().requires_grad_()))  # noqa: E731
+    fused = {"GatedMlpFnBackward", "RMSNormFnBackward"}
+
+    def change(m, kind, back=False):
+        if kind == "dict":
+            m[0].acts["act"] = "silu" if back else "gelu"
+        elif kind == "config":
+            m[0].config.gate_scale = 1.0 if back else 2.0
+        else:
+            m[1].scale = 1.0 if back else 2.0
+
     for rewrap in (False, True):
         wrapped = mesa_lite.wrap(copy.deepcopy(plain))
         if rewrap:
             wrapped = mesa_lite.wrap(wrapped, Config(group_size=64))
         assert isinstance(wrapped[0], GatedMlp) and isinstance(wrapped[1], RMSNorm)
+        assert "__getattribute__" not in vars(_MlpConfig)  # the proof's recorder removed
         wrapped[0].config.use_cache = False
-        assert {"GatedMlpFnBackward", "RMSNormFnBackward"} <= graph(wrapped), graph(wrapped)
-        for m in (plain, wrapped):
-            m[0].acts["act"] = "gelu"
-            m[1].scale = 2.0
-        (y0, g0), (y1, g1) = _run(plain, x), _run(wrapped, x)
-        assert_equal(y1, y0, "forward with the fields changed")
-        for n, a in g0.items():
-            assert sqnr_db(a, g1[n]) >= 20.0, n  # per-op layers, 8 bits
-        assert not {"GatedMlpFnBackward", "RMSNormFnBackward"} & graph(wrapped), graph(wrapped)
-        for m in (plain, wrapped):
-            m[0].acts["act"] = "silu"
-            m[1].scale = 1.0
-        assert {"GatedMlpFnBackward", "RMSNormFnBackward"} <= graph(wrapped), graph(wrapped)
+        assert fused <= graph(wrapped), graph(wrapped)
+        for kind in ("dict", "config", "attribute"):
+            for m in (plain, wrapped):
+                change(m, kind)
+            (y0, g0), (y1, g1) = _run(plain, x), _run(wrapped, x)
+            assert_equal(y1, y0, f"forward with the {kind} changed")
+            for n, a in g0.items():
+                assert sqnr_db(a, g1[n]) >= 20.0, n  # per-op layers, 8 bits
+            left = graph(wrapped)
+            assert ("RMSNormFnBackward" in left) == (kind != "attribute"), (kind, left)
+            assert ("GatedMlpFnBackward" in left) == (kind == "attribute"), (kind, left)
+            for m in (plain, wrapped):
+                change(m, kind, back=True)
+            assert fused <= graph(wrapped), (kind, graph(wrapped))
         assert_equal(wrapped(x), plain(x), "forward, the proof's values back")
