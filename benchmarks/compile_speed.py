@@ -23,13 +23,20 @@ Rows (each a full AdamW step under autocast, one model per row, all alive at onc
                                       Inductor's fp8 (e5m2) saved-activation pass;
   plain / mesa int8 compiled, reduce-overhead
                                       CUDA graphs (their memory is in graph pools: the
-                                      activation column is not comparable there).
+                                      activation column is not comparable there);
+  plain, graphed / mesa int8[, opt-in kinds], graphed
+                                      eager models captured whole by mesa_lite.graphed
+                                      (torch.cuda.make_graphed_callables): forward and
+                                      backward replayed as two CUDA graphs; their activation
+                                      column counts the graph pool's free part too.
 
 Each pass runs ``--steps`` steps of every row in turn; a row's step time is the median over
 all its steps of all passes, and its ratio is against its base row (eager plain, compiled
 plain, or reduce-overhead plain). Activation memory: the row's peak over its steps minus what
 was allocated before them (all models' parameters, gradients and optimizer state are alive
-throughout, so this is the row's own activations and temporaries). Needs a GPU.
+throughout, so this is the row's own activations and temporaries), plus for a graphed row
+the part of its graph pool no tensor holds between replays (the replays' working memory,
+reserved for them alone). Needs a GPU.
 
     python benchmarks/compile_speed.py --models deit_base_patch16_224 --out results/compile_b
 """
@@ -98,6 +105,9 @@ ROWS = {
         "amp", "reduce-overhead", None, None, (), "plain compiled, reduce-overhead"),
     "mesa int8 compiled, reduce-overhead": (
         "mesa", "reduce-overhead", "decomposed", None, (), "plain compiled, reduce-overhead"),
+    "plain, graphed": ("amp", None, None, None, (), "plain"),
+    "mesa int8, graphed": ("mesa", None, None, None, (), "plain, graphed"),
+    "mesa int8, opt-in kinds, graphed": ("mesa", None, None, None, (), "plain, graphed"),
 }  # fmt: skip
 DEFAULT_ROWS = ("plain", "mesa int8", "plain compiled", "mesa int8 compiled, custom_op",
                 "mesa int8 compiled, decomposed")  # fmt: skip
@@ -135,7 +145,7 @@ class _Row:
         from .deit_memory import make_model
 
         config = None
-        if name == "mesa int8, opt-in kinds":
+        if "opt-in kinds" in name:
             config = mesa_lite.Config(layers=mesa_lite.DEFAULT_LAYERS | mesa_lite.OPT_IN_KINDS)
         self.static = name != "mesa int8, Triton's launcher"
         model = make_model(model_name, "fused", mode, 224, config=config).cuda()
@@ -154,8 +164,18 @@ class _Row:
         self.scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
         self.times: list[float] = []
         self.activation: list[float] = []
+        self.graph = name.endswith(", graphed")  # captured on the first step's inputs
+
+    def pool_free(self) -> int:
+        """Bytes of the graph pool no tensor holds now (0 for a row without graphs)."""
+        if not self.graph or mesa_lite.graph_info(self.model) is None:
+            return 0
+        mem = mesa_lite.graph_memory(self.model)
+        return mem["reserved"] - mem["allocated"]
 
     def step(self, x, y):
+        if self.graph and mesa_lite.graph_info(self.model) is None:
+            self.model = mesa_lite.graphed(self.model, (x,), autocast=self.dtype, fallback="error")
         if self.form is not None:  # read while tracing; guarded, so set it for every call
             quant.COMPILE_FORM = self.form
         with contextlib.ExitStack() as stack:
@@ -171,8 +191,10 @@ class _Row:
 
 
 def row_names(requested) -> list[str]:
-    """The requested rows with their base rows, in ROWS order."""
-    wanted = set(requested) | {ROWS[r][5] for r in requested}
+    """The requested rows with their base rows (and theirs), in ROWS order."""
+    wanted = set(requested)
+    while not {ROWS[r][5] for r in wanted} <= wanted:
+        wanted |= {ROWS[r][5] for r in wanted}
     return [r for r in ROWS if r in wanted]
 
 
@@ -196,7 +218,8 @@ def run_model(name: str, args) -> list[dict]:
                 with timer:
                     r.step(x, y)
             r.times.extend(timer.times_ms)
-            r.activation.append((torch.cuda.max_memory_allocated() - before) / MIB)
+            peak = torch.cuda.max_memory_allocated() - before + r.pool_free()
+            r.activation.append(peak / MIB)
     env = environment()
     out = []
     for r in rows:

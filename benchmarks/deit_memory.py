@@ -10,7 +10,11 @@ fp16) and reports:
   step    median step time (CUDA events) and images/s;
 and ratios against the plain AMP row of the same model, dtype and attention mode. With
 --compile each plain and mesa_lite row has a torch.compile twin (default mode, compiled during
-warm-up), whose ratios are against the compiled plain row.
+warm-up), whose ratios are against the compiled plain row. With --cuda-graph each plain and
+mesa_lite row has a twin captured by mesa_lite.graphed (forward and backward replayed as two
+CUDA graphs; ratios against the graphed plain row), whose peak adds the part of its graph
+pool that no tensor holds between replays (the replays' working memory, held for them alone);
+every GPU row also reports torch.cuda.max_memory_reserved().
 
 Without a GPU it runs a small default (DeiT-Tiny, batch 8) and reports the bytes one forward
 keeps for backward (unique storages, Parameters excluded), labelled as such: not GPU memory.
@@ -22,6 +26,7 @@ names a prefix; prints the table and the paths it wrote last. Exits 1 if a row f
   python benchmarks/deit_memory.py              # GPU: the full matrix; CPU: about 20 s
   python benchmarks/deit_memory.py --models deit_small_patch16_224 --dtype fp16 --attention fused
   python benchmarks/deit_memory.py --models deit_small_patch16_224 --attention fused --compile
+  python benchmarks/deit_memory.py --models deit_small_patch16_224 --attention fused --cuda-graph
 """
 
 from __future__ import annotations
@@ -112,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="add torch.compile rows of plain and mesa_lite (compiled during warm-up; their "
         "ratios are against the compiled plain row)",
     )  # fmt: skip
+    p.add_argument(
+        "--cuda-graph", action="store_true",
+        help="add rows of plain and mesa_lite captured by mesa_lite.graphed (GPU; ratios "
+        "against the graphed plain row)",
+    )  # fmt: skip
     add_out_argument(p, "deit_memory", "PREFIX.jsonl, .md and .png")
     p.add_argument(
         "--device", choices=["auto", "cuda", "cpu"], default="auto",
@@ -133,6 +143,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     check_device(p, args.device)
     gpu = args.device == "cuda"
+    if args.cuda_graph and not gpu:
+        p.error("--cuda-graph needs a GPU (CUDA graphs)")
     defaults = {
         "models": MODELS if gpu else MODELS[:1],
         "batch_size": 128 if gpu else 8,
@@ -217,12 +229,14 @@ def _compiled(model, compiled: bool, mode: str):
 
 
 def gpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None,
-            compiled=False) -> dict:  # fmt: skip
+            compiled=False, graphed=False) -> dict:  # fmt: skip
     device = x.device
     # what is allocated before the row starts (the inputs only, if earlier rows freed all)
     before = torch.cuda.memory_allocated(device)
     model = make_model(name, attention, mode, args.img_size, bits, config).to(device)
     model = _compiled(model, compiled, mode)
+    if graphed:
+        model = mesa_lite.graphed(model, (x,), autocast=torch_dtype(dtype_name), fallback="error")
     static = []
 
     def start():
@@ -232,9 +246,17 @@ def gpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None,
 
     times = _timed_steps(model, x, y, torch_dtype(dtype_name), args, start)
     peak = torch.cuda.max_memory_allocated(device)
+    extra = {}
+    if graphed:  # the pool's part no tensor holds between replays: the replays' own
+        pool = mesa_lite.graph_memory(model)
+        peak += pool["reserved"] - pool["allocated"]
+        extra["graph_pool_mib"] = pool["reserved"] / MIB
+    reserved = torch.cuda.max_memory_reserved(device)
     del model
     return {
         "peak_mib": peak / MIB,
+        "reserved_mib": reserved / MIB,
+        **extra,
         "static_mib": static[0] / MIB,
         "activation_mib": (peak - static[0]) / MIB,
         **times,
@@ -258,7 +280,13 @@ def cpu_row(name, mode, dtype_name, attention, x, y, args, bits=8, config=None,
 
 def add_ratios(rows: list[dict], memory_key: str) -> None:
     """Ratios against the amp row with the same model, dtype, attention and compilation."""
-    key = lambda r: (r["model"], r["dtype"], r["attention"], r.get("compiled", False))  # noqa: E731
+    key = lambda r: (
+        r["model"],
+        r["dtype"],
+        r["attention"],
+        r.get("compiled", False),  # noqa: E731
+        r.get("graphed", False),
+    )
     base = {key(r): r for r in rows if r["mode"] == "amp"}
     for r in rows:
         b = base.get(key(r))
@@ -276,7 +304,8 @@ def table(rows: list[dict], gpu: bool) -> str:
     cols = [("model_short", "model", "s"), ("dtype", "precision", "s"),
             ("attention", "attention", "s"), ("label", "mode", "s")]  # fmt: skip
     if gpu:
-        cols += [("peak_mib", "peak MiB", ".0f"), ("static_mib", "static MiB", ".0f"),
+        cols += [("peak_mib", "peak MiB", ".0f"), ("reserved_mib", "reserved MiB", ".0f"),
+                 ("static_mib", "static MiB", ".0f"),
                  ("activation_mib", "peak-static MiB", ".0f"), ("step_ms", "step ms", ".1f"),
                  ("images_per_s", "img/s", ".0f"), ("memory_reduction", "peak reduction", ".2f"),
                  ("activation_reduction", "activation reduction", ".2f"),
@@ -340,18 +369,20 @@ def run(argv=None) -> list[dict]:
     run_row = gpu_row if gpu else cpu_row
     rows: list[dict] = []
     plan = [
-        (name, dtype_name, attention, mode, bits, compiled)
+        (name, dtype_name, attention, mode, bits, compiled, graphed)
         for name in args.models
         for dtype_name in args.dtype
         for attention in args.attention
-        for compiled in ([False, True] if args.compile else [False])
+        for compiled, graphed in (
+            [(False, False)] + [(True, False)] * args.compile + [(False, True)] * args.cuda_graph
+        )
         for mode in args.modes
-        if not (compiled and mode == "ckpt")
+        if not ((compiled or graphed) and mode == "ckpt")
         for bits in (args.bits if mode == "mesa" else [None])
     ]
     bar = progress(plan, desc="rows", unit="row")
     inputs = None
-    for name, dtype_name, attention, mode, bits, compiled in bar:
+    for name, dtype_name, attention, mode, bits, compiled, graphed in bar:
         if inputs is None or inputs[0] != name:
             if inputs is not None and "mesa" in args.modes:
                 where_memory_goes(inputs[0], args, inputs[1], device)
@@ -362,12 +393,15 @@ def run(argv=None) -> list[dict]:
         _, x, y = inputs
         label = {"amp": "plain", "ckpt": "ckpt"}.get(mode) or f"mesa int{bits}"
         label += " compiled" if compiled else ""
+        label += ", graphed" if graphed else ""
         bar.set_postfix_str(f"{name.replace('_patch16_224', '')} {dtype_name} {attention} {label}")
         row = {"model": name, "batch": args.batch_size, "dtype": dtype_name,
                "attention": attention, "mode": mode, "bits": bits, "label": label,
-               "compiled": compiled, **env}  # fmt: skip
+               "compiled": compiled, "graphed": graphed, **env}  # fmt: skip
         try:
             kw = {"compiled": True} if compiled else {}
+            if graphed:
+                kw["graphed"] = True
             if args.opt_in and mode == "mesa":
                 layers = mesa_lite.DEFAULT_LAYERS | mesa_lite.OPT_IN_KINDS
                 kw["config"] = mesa_lite.Config(bits=bits, layers=layers)

@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=positive_int, default=10, help="steps between log lines")
     p.add_argument("--seed", type=int, default=0, help="random seed (weights, data order)")
     p.add_argument(
+        "--cuda-graph", action="store_true",
+        help="replay each training forward and backward as CUDA graphs (mesa_lite.graphed; "
+        "one GPU, every batch the same shape: the loader drops the last partial one)",
+    )  # fmt: skip
+    p.add_argument(
         "--dist", choices=["none", "ddp", "fsdp"], default="none",
         help="data parallel under torchrun: DistributedDataParallel or FSDP2 (fully_shard)",
     )  # fmt: skip
@@ -113,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     check_timm_models(p, args.model)
     resolve_device(args, p)
+    if args.cuda_graph and (args.dist != "none" or not str(args.device).startswith("cuda")):
+        p.error("--cuda-graph runs on one GPU (no --dist, --device cuda)")
     if args.dist != "none":
         import os
 
@@ -343,6 +350,10 @@ def run(argv=None) -> dict:
         torch.set_rng_state(ckpt["rng"])
         if dist.main:
             print(f"resumed from {args.resume} at epoch {start_epoch}, step {step}")
+    if args.cuda_graph:  # captured on a synthetic batch of the loader's shape (its own RNG)
+        g = torch.Generator().manual_seed(args.seed)
+        sample = torch.randn(args.batch_size, 3, args.img_size, args.img_size, generator=g)
+        model = mesa_lite.graphed(model, (sample.to(device),), autocast=dtype)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     history = []

@@ -31,6 +31,10 @@ _WHERE = {
     "DEFAULT_LAYERS": "mesa_lite.config",
     "INDUCTOR_OPTIONS": "mesa_lite.compiling",
     "compile": "mesa_lite.compiling",
+    "graphed": "mesa_lite.graphs",
+    "ungraph": "mesa_lite.graphs",
+    "graph_info": "mesa_lite.graphs",
+    "graph_memory": "mesa_lite.graphs",
     "QuantSpec": "mesa_lite.config",
     "ReLU": "mesa_lite.modules",
     "GELU": "mesa_lite.modules",
@@ -67,6 +71,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time __getattr__ loads t
         Config,
         QuantSpec,
     )
+    from mesa_lite.graphs import graph_info, graph_memory, graphed, ungraph  # noqa: F401
     from mesa_lite.kernels.group_quant import rounding_state, set_rounding_state  # noqa: F401
     from mesa_lite.modules import (  # noqa: F401
         GELU,
