@@ -35,7 +35,8 @@ setup(
     packages=_packages(),  # tests/test_packaging.py checks the wheel and sdist against the tree
     package_dir=_INSIDE,
     install_requires=[
-        "torch>=2.11",  # the oldest tested (README)
+        # the tested range (README, .ci/run): a user's torch in it is kept
+        "torch>=2.11,<2.16",
         # Triton ships with torch's Linux builds; elsewhere the PyTorch reference runs.
         "triton>=3.0; platform_system == 'Linux' and platform_machine == 'x86_64'",
     ],

@@ -328,9 +328,10 @@ def _compiled(src: _Sources) -> list[str]:
 
 
 def _graphed(src: _Sources) -> list[str]:
-    """Eager and CUDA-graphed (mesa_lite.graphed) 8-bit rows, each run interleaving plain,
-    8-bit, graphed plain and graphed 8-bit: steps against eager plain and graphed plain,
-    activations against eager plain (a graphed row's include its pool's free part)."""
+    """CUDA-graphed (mesa_lite.graphed) rows, each run interleaving plain, 8-bit, graphed
+    plain and graphed 8-bit: steps against eager plain and graphed plain, activations against
+    eager plain (a graphed row's include its pool's free part). The eager 8-bit figures are
+    the DeiT and convolutional tables'."""
     models = (("DeiT-Ti", "graphed_speed_gpu", "deit_tiny_patch16_224", ""),
               ("DeiT-S", "graphed_speed_gpu", "deit_small_patch16_224", ""),
               ("DeiT-B", "graphed_speed_gpu", "deit_base_patch16_224", ""),
@@ -343,17 +344,14 @@ def _graphed(src: _Sources) -> list[str]:
     for label, name, model, kinds in models:
         plain = src.row(name, model=model, row="plain")
         gplain = src.row(name, model=model, row="plain, graphed")
-        eager = src.row(name, model=model, row=f"mesa int8{kinds}")
         graphed = src.row(name, model=model, row=f"mesa int8{kinds}, graphed")
         act = lambda r, p=plain: _x(p["activation_mib"] / r["activation_mib"])  # noqa: E731
         rows.append([label + (" (opt-in kinds)" if kinds else ""), str(plain["batch"]),
-                     _ms(plain["step_ms"]), _x(eager["step_ms"] / plain["step_ms"]), act(eager),
                      _x(gplain["step_ms"] / plain["step_ms"]),
                      _x(graphed["step_ms"] / plain["step_ms"]),
                      _x(graphed["step_ms"] / gplain["step_ms"]), act(graphed),
                      src.link(name)])  # fmt: skip
-    header = ["model", "batch", "plain step ms", "8-bit eager: step / plain",
-              "activation reduction", "plain graphed: step / plain",
+    header = ["model", "batch", "plain graphed: step / plain",
               "8-bit graphed: step / plain", "step / plain graphed",
               "activation reduction vs eager plain", "from"]  # fmt: skip
     return _table(header, rows)

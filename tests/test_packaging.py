@@ -219,3 +219,23 @@ def test_the_kernels_folder_is_never_the_kernels_package():
         assert proc.stdout.split() == ["None", "[]", "quantize"], proc.stdout
     else:  # Hugging Face's, installed with transformers 5.24+
         assert "site-packages" in where and str(ROOT / "kernels") not in where, proc.stdout
+
+
+def test_the_torch_range_is_the_versions_ci_tests():
+    """setup.py's torch requirement spans exactly the minor versions .ci/run tests (its lower
+    bound the oldest, its upper bound the one after the newest), and the README states it: a
+    user's torch in that range is kept by the Quickstart's commands."""
+    import re
+
+    setup = (ROOT / "setup.py").read_text()
+    found = re.search(r'"torch>=(\d+)\.(\d+),<(\d+)\.(\d+)"', setup)
+    assert found, "setup.py must require torch as a range >=A.B,<C.D"
+    low = (int(found[1]), int(found[2]))
+    high = (int(found[3]), int(found[4]))
+    tested = {tuple(int(p) for p in v.split(".")[:2])
+              for v in re.findall(r"torch==(\d+\.\d+)\.\d+", (ROOT / ".ci" / "run").read_text())}  # fmt: skip
+    assert min(tested) == low, (tested, low)
+    newest = max(tested)
+    assert high == (newest[0], newest[1] + 1), (tested, high)
+    readme = (ROOT / "README.md").read_text()
+    assert f"torch {low[0]}.{low[1]} to {newest[0]}.{newest[1]}" in readme
