@@ -62,6 +62,7 @@ from .common import (
     lazy_import,
     markdown_table,
     measure_row,
+    nonnegative_int,
     positive_int,
     pyplot,
     read_jsonl,
@@ -83,31 +84,43 @@ planner = lazy_import("mesa_lite.planner")
 def build_parser() -> argparse.ArgumentParser:
     """The command line (no heavy import: ``--help`` answers at once)."""
     p = argument_parser(__doc__)
-    p.add_argument("--models", nargs="+", default=["deit_small_patch16_224"],
-                   help="timm models or llm_memory.py's Hugging Face configs")  # fmt: skip
-    p.add_argument("--batch-size", type=positive_int, default=128, help="samples per step")
-    p.add_argument("--img-size", type=positive_int, default=224, help="timm input size")
+    # the defaults follow the device (_DEFAULTS): a GPU run of DeiT-S at batch 128, a CPU
+    # run small enough to answer in minutes
+    p.add_argument("--models", nargs="+", default=None,
+                   help="timm models or llm_memory.py's Hugging Face configs (default: "
+                        "deit_small_patch16_224 on a GPU, deit_tiny_patch16_224 on the "
+                        "CPU)")  # fmt: skip
+    p.add_argument("--batch-size", type=positive_int, default=None,
+                   help="samples per step (default: 128 on a GPU, 2 on the CPU)")  # fmt: skip
+    p.add_argument("--img-size", type=positive_int, default=None,
+                   help="timm input size (default: 224 on a GPU, 64 on the CPU)")  # fmt: skip
     p.add_argument("--seq", type=positive_int, default=2048, help="tokens per sequence (LMs)")
-    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="fp16",
-                   help="autocast dtype (fp32: none)")  # fmt: skip
-    p.add_argument("--budgets", nargs="+", type=float,
-                   default=[1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.25],
+    p.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default=None,
+                   help="autocast dtype (fp32: none; default: fp16 on a GPU, the CPU's "
+                        "scripts' default there)")  # fmt: skip
+    p.add_argument("--budgets", nargs="+", type=float, default=None,
                    help="budgets as fractions of the plain peak (the smallest feasible one is "
-                        "added)")  # fmt: skip
+                        "added; default: 1.0 0.8 0.6 0.5 0.4 0.3 0.25 on a GPU, 1.0 0.6 0.4 "
+                        "on the CPU)")  # fmt: skip
     p.add_argument(
         "--every",
         nargs="*",
         type=positive_int,
-        default=[1, 2, 3],
-        help="exact checkpointing of every k-th block, one row per k",
+        default=None,
+        help="exact checkpointing of every k-th block, one row per k (default: 1 2 3 on a "
+        "GPU, 1 on the CPU)",
     )
     p.add_argument("--compile-budgets", nargs="*", type=float, default=None,
                    help="activation_memory_budget values under torch.compile, one row each "
                         "(default: 0.5 0.1 on a GPU, none on the CPU)")  # fmt: skip
-    p.add_argument("--steps", type=positive_int, default=10, help="measured steps per row")
-    p.add_argument("--warmup", type=positive_int, default=2, help="warm-up steps per row")
-    p.add_argument("--timed", type=positive_int, default=5,
-                   help="timed steps per policy in the planner's measurement")  # fmt: skip
+    p.add_argument("--steps", type=positive_int, default=None,
+                   help="measured steps per row (default: 10 on a GPU, 3 on the CPU)")  # fmt: skip
+    p.add_argument("--warmup", type=positive_int, default=None,
+                   help="warm-up steps per row (default: 2 on a GPU, 1 on the CPU)")  # fmt: skip
+    p.add_argument("--timed", type=nonnegative_int, default=None,
+                   help="timed steps per policy in the planner's measurement (0: memory only, "
+                        "plans ranked by planner.PROXY_STEP_RATIOS; default: 5 on a GPU, 3 on "
+                        "the CPU)")  # fmt: skip
     add_device_argument(p)
     add_out_argument(p, "budget", "PREFIX.jsonl, PREFIX.md and PREFIX.png")
     p.add_argument("--no-plot", action="store_true", help="no chart")
@@ -126,12 +139,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# option -> (GPU default, CPU default)
+_DEFAULTS = {
+    "models": (["deit_small_patch16_224"], ["deit_tiny_patch16_224"]),
+    "batch_size": (128, 2),
+    "img_size": (224, 64),
+    "budgets": ([1.0, 0.8, 0.6, 0.5, 0.4, 0.3, 0.25], [1.0, 0.6, 0.4]),
+    "every": ([1, 2, 3], [1]),
+    "steps": (10, 3),
+    "warmup": (2, 1),
+    "timed": (5, 3),
+}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
+    resolve_device(args, p)
+    gpu = args.device.startswith("cuda")
+    for key, (on_gpu, on_cpu) in _DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, on_gpu if gpu else on_cpu)
     if any(not 0 < b <= 1.5 for b in args.budgets):
         p.error(f"--budgets are fractions of the plain peak in (0, 1.5], got {args.budgets}")
-    resolve_device(args, p)
     if args.compile_budgets is None:
         args.compile_budgets = [0.5, 0.1] if args.device.startswith("cuda") else []
     if any(not 0 <= b <= 1 for b in args.compile_budgets):
@@ -354,12 +384,14 @@ def run(argv=None) -> list[dict]:
             row["predicted_terms_mib"] = {k: v / MIB for k, v in plan.terms.items()}
             # what the CPU rows count: every block's kept bytes, outside, static
             row["predicted_saved_mib"] = (plan.saved + m.outside + m.static) / MIB
-            row["predicted_step_ms"] = plan.seconds * 1e3
+            if plan.seconds is not None:  # None: the planner measured memory only (--timed 0)
+                row["predicted_step_ms"] = plan.seconds * 1e3
             r = measured(label, config=plan.config, compiled=compiled, extra=row)
             if "error" not in r:
                 say(f"{name} {label}: {r['policies']}, memory {r['memory_mib']:.0f} MiB "
                     f"(budget {budget / MIB:.0f}, predicted {r['predicted_mib']:.0f}), step "
-                    f"{r['step_ms']:.1f} ms (predicted {r['predicted_step_ms']:.1f})")  # fmt: skip
+                    f"{r['step_ms']:.1f} ms (predicted "
+                    f"{r.get('predicted_step_ms', float('nan')):.1f})")  # fmt: skip
 
         for label, budget in budgets:
             planned(label, budget)
@@ -446,7 +478,8 @@ def _judge(rows: list[dict], plain: dict) -> None:
             continue
         r["within_budget"] = r["memory_mib"] <= r["budget_mib"]
         r["below_budget"] = 1 - r["memory_mib"] / r["budget_mib"]
-        r["step_vs_predicted"] = r["step_ms"] / r["predicted_step_ms"]
+        if "predicted_step_ms" in r:
+            r["step_vs_predicted"] = r["step_ms"] / r["predicted_step_ms"]
         fits = [a for a in alternatives if a["memory_mib"] <= r["budget_mib"]]
         if fits:
             best = min(fits, key=lambda a: a["step_ms"])
@@ -490,7 +523,8 @@ def _plot(rows: list[dict], path: Path, memory: str) -> None:
                     linestyle="none", label="mesa_lite plans at those peaks, compiled")  # fmt: skip
         ax.plot([r["memory_mib"] for r in plans], [r["step_ms"] for r in plans], "o-",
                 label="mesa_lite plans (measured)")  # fmt: skip
-        ax.plot([r["predicted_mib"] for r in plans], [r["predicted_step_ms"] for r in plans],
+        timed = [r for r in plans if "predicted_step_ms" in r]
+        ax.plot([r["predicted_mib"] for r in timed], [r["predicted_step_ms"] for r in timed],
                 "x--", label="mesa_lite plans (predicted)")  # fmt: skip
         for kind, marker in (("checkpointing", "s"), ("compiled", "^"), ("plain", "D")):
             pts = [r for r in mine if not r["row"].startswith("plan") and kind in r["row"]]

@@ -66,6 +66,12 @@ POLICIES: tuple[str, ...] = ("plain", "int8", "int4", "ckpt8", "ckpt4", "ckpt")
 # checkpointing policies -> Config.checkpoint_bits
 _WIDTHS = {"ckpt8": 8, "ckpt4": 4, "ckpt": "exact"}
 _UNITS = 16384  # time resolution of the choice: the slowest choice's time in this many units
+# A memory-only measurement (``measure(..., timed=0)``) times nothing: each policy's block
+# time is then its DeiT-S step ratio against plain on the H200 (fp16, batch 128:
+# benchmarks/results/checkpoint_pareto_gpu_repeats.jsonl; int4 from deit_memory_gpu.jsonl),
+# a ranking for the choice, not this model's seconds.
+PROXY_STEP_RATIOS = {"plain": 1.0, "int8": 1.37, "ckpt": 1.70, "ckpt8": 1.95, "ckpt4": 2.05,
+                     "int4": 2.21}  # fmt: skip
 
 
 class PlanError(ValueError):
@@ -134,6 +140,8 @@ class Measurements:
 
         other_seconds: the step time outside the blocks (optimizer, head, loss).
         leaves: the blocks that are modules without children (see ``to_config``).
+        timed: False for a memory-only measurement (``measure(..., timed=0)``): the
+            seconds are ``PROXY_STEP_RATIOS``' ranking, and a plan predicts no step time.
         base: the Config the policies were measured on (``measure`` records its ``base``,
             ``Config()`` when none is given), which ``choose`` writes the plan on; None
             (measurements made otherwise): ``choose`` takes any base.
@@ -148,6 +156,7 @@ class Measurements:
     other_seconds: float = 0.0
     leaves: tuple[str, ...] = ()
     base: Config | None = None
+    timed: bool = True
 
     def __post_init__(self) -> None:
         if self.base is not None and not isinstance(self.base, Config):
@@ -179,7 +188,8 @@ class Plan:
 
     Attributes:
         blocks: the block names; ``policies`` one policy per block.
-        peak: predicted peak bytes; ``seconds``: predicted step time.
+        peak: predicted peak bytes; ``seconds``: predicted step time (None: measured for
+            memory only, ``measure(..., timed=0)``).
         terms: the training peak's terms, bytes: static, outside, temporaries, ``kept`` (by
             the blocks still holding their bytes when the peak is reached, from the first
             to the block whose backward runs then) and ``transient`` (that block's); and the
@@ -192,7 +202,7 @@ class Plan:
     blocks: tuple[str, ...]
     policies: tuple[str, ...]
     peak: int
-    seconds: float
+    seconds: float | None
     terms: Mapping[str, int]
     config: Config
     where: str = "backward"
@@ -219,8 +229,9 @@ class Plan:
 
     def __str__(self) -> str:
         size = _size_in(self.peak)  # one unit for every line: the peak's
-        lines = [f"plan: peak {size(self.peak)} (in the {self.where}), step "
-                 f"{self.seconds * 1e3:.1f} ms"]  # fmt: skip
+        step = ("step not timed (memory only)" if self.seconds is None
+                else f"step {self.seconds * 1e3:.1f} ms")  # fmt: skip
+        lines = [f"plan: peak {size(self.peak)} (in the {self.where}), {step}"]
         lines += [f"  {k}: {size(v)}" for k, v in self.terms.items()]
         counts = {p: self.policies.count(p) for p in POLICIES if p in self.policies}
         lines.append("  blocks: " + ", ".join(f"{p} x{n}" for p, n in counts.items()))
@@ -589,7 +600,7 @@ def choose(m: Measurements, budget: int | float, base: Config | None = None) -> 
         blocks=tuple(m.blocks),
         policies=choice,
         peak=max(training, m.optimizer_peak),
-        seconds=m.other_seconds + seconds,
+        seconds=m.other_seconds + seconds if m.timed else None,
         terms={**terms, "optimizer_step": m.optimizer_peak},
         config=to_config(m.blocks, choice, base, m.leaves),
         where="backward" if training >= m.optimizer_peak else "optimizer step",
@@ -828,7 +839,9 @@ def measure(
         blocks: the block names; by default the model's repeated blocks
             (``mesa_lite.checkpoint.repeated_blocks``).
         warmup: untimed training steps first, at least 1 with an optimizer.
-        timed: timed steps per policy, at least 1 (3 or more for the noise check).
+        timed: timed steps per policy (3 or more for the noise check); 0 measures memory
+            only, in seconds rather than minutes: no step is timed, the choice ranks the
+            policies by ``PROXY_STEP_RATIOS`` and a plan predicts its peak but no step time.
         sync: under torch.distributed, return rank 0's measurements on every rank
             (``broadcast``), so that every rank plans the same.
         progress: a progress bar on stderr (tqdm, when installed and stderr is a terminal)
@@ -866,8 +879,11 @@ def measure(
     if missing:
         raise ValueError(f"measure: blocks {missing} are not modules of the model")
     leaves = tuple(n for n in blocks if not any(True for _ in modules[n].children()))
-    if not isinstance(timed, int) or timed < 1:
-        raise ValueError(f"measure: timed must be a positive int (steps timed), got {timed!r}")
+    if isinstance(timed, bool) or not isinstance(timed, int) or timed < 0:
+        raise ValueError(
+            f"measure: timed must be a non-negative int (steps timed; 0: memory only), got "
+            f"{timed!r}"
+        )
     if not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"measure: warmup must be a non-negative int, got {warmup!r}")
     if optimizer_fn is not None and warmup < 1:
@@ -887,7 +903,9 @@ def measure(
     firsts: dict[str, _Step] = {}
     seconds, spreads = {}, {}
     per = warmup + 1 + timed if warmup else 1 + timed
-    desc = f"planner.measure: {len(policies)} policies x {per} steps"
+    desc = f"planner.measure: {len(policies)} policies x {per} steps" + (
+        " (memory only)" if not timed else ""
+    )
     with _progress(len(policies) * per, desc, progress) as bar:
         for p in policies:
             bar.set_postfix_str(p)
@@ -906,7 +924,10 @@ def measure(
                 firsts[p]  # fmt: skip
             if warmup:
                 bar.update()
-            step, spreads[p] = _step_seconds(m, step_fn, opt, timed, device, bar)
+            if timed:
+                step, spreads[p] = _step_seconds(m, step_fn, opt, timed, device, bar)
+            else:  # memory only: the ranking, not seconds
+                step, spreads[p] = PROXY_STEP_RATIOS[p], 0.0
             seconds[p] = step / len(blocks)
             del m, opt
             gc.collect()
@@ -976,7 +997,8 @@ def measure(
                          temporaries=temporaries,
                          optimizer_peak=max(s.optimizer_peak for s in steps.values()),
                          other_seconds=0.0, leaves=leaves,
-                         base=base if base is not None else Config())  # fmt: skip
+                         base=base if base is not None else Config(),
+                         timed=bool(timed))  # fmt: skip
     return broadcast(found) if sync else found
 
 

@@ -30,6 +30,11 @@ come before the path to ``train.py``; everything after the path is ``train.py``'
   (set in a YAML ``-c`` file instead, the first training step raises, naming the flag).
 - ``--mesa-config FILE`` wraps with the ``Config`` keyword arguments a JSON file holds, e.g.
   a plan's (``mesa_lite.planner``: ``json.dump(plan.config_kwargs(), f)``).
+- ``--mesa-smoke`` checks the whole chain offline, in a minute on a CPU: the copy of
+  ``train.py`` that ships with mesa_lite (``VENDORED_TRAIN_PY``, unless a path is given) trains
+  a 2-block DeiT-Tiny for one epoch of DeiT's recipe on a generated ImageFolder of 32x32
+  images, with the launcher's other options applied; it exits 0 once train.py has written
+  its epoch's summary.
 """
 
 from __future__ import annotations
@@ -51,6 +56,20 @@ from mesa_lite.config import CHECKPOINT_MODES, LAYER_KINDS, ROUNDINGS, SUPPORTED
 __all__ = ["main", "parse_args", "install_hook"]
 
 _PROG = "python -m mesa_lite.timm_train"
+# timm's train.py, shipped with mesa_lite (pytorch-image-models commit aa4b5850, timm
+# 1.0.29.dev0, Apache-2.0): what --mesa-smoke runs when no path is given
+VENDORED_TRAIN_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vendor",
+                                 "timm_train.py")  # fmt: skip
+# --mesa-smoke's train.py arguments (the data and output folders are added): a 2-block
+# DeiT-Tiny on 32x32 images of 2 classes, one epoch of DeiT's recipe
+SMOKE_ARGS = [
+    "--model", "deit_tiny_patch16_224", "--model-kwargs", "depth=2", "img_size=32",
+    "--num-classes", "2", "--img-size", "32", "-b", "4", "--workers", "0", "--seed", "0",
+    "--epochs", "1", "--opt", "adamw", "--lr", "5e-4", "--weight-decay", "0.05",
+    "--sched", "cosine", "--smoothing", "0.1", "--mixup", "0.8", "--cutmix", "1.0",
+    "--aa", "rand-m9-mstd0.5-inc1", "--reprob", "0.25", "--drop-path", "0.1",
+    "--model-ema", "--experiment", "smoke",
+]  # fmt: skip
 _SCRIPT = "mesa-lite-timm-train"  # the console entry point
 # Launcher options that take exactly one value (for splitting argv at train.py's path).
 _ONE_VALUE = ("--mesa-bits", "--mesa-group-size", "--mesa-rounding", "--mesa-checkpoint",
@@ -122,6 +141,11 @@ def _parser() -> argparse.ArgumentParser:
         "(the other --mesa-* options are still checked)",
     )  # fmt: skip
     p.add_argument(
+        "--mesa-smoke", action="store_true",
+        help="an offline check: the train.py copy that ships with mesa_lite (or TRAIN_PY) "
+        "trains a 2-block DeiT-Tiny for one epoch on a generated ImageFolder of 32x32 images",
+    )  # fmt: skip
+    p.add_argument(
         "train_py", nargs="?", default=argparse.SUPPRESS, metavar="TRAIN_PY",
         help="path to timm's train.py",
     )  # fmt: skip
@@ -177,8 +201,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, C
     p = _parser()
     own, rest = _split_argv(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(own)
+    if not rest and args.mesa_smoke:
+        rest = [VENDORED_TRAIN_PY]
     if not rest:
-        p.error("the path to timm's train.py is required (after the launcher's options)")
+        p.error("the path to timm's train.py is required (after the launcher's options; "
+                "--mesa-smoke runs the copy that ships with mesa_lite)")  # fmt: skip
     args.train_py, args.train_args = rest[0], rest[1:]
     if not os.path.isfile(args.train_py):
         p.error(f"train.py not found: {args.train_py!r}")
@@ -378,6 +405,53 @@ def main(argv: Sequence[str] | None = None) -> None:
         argv: the arguments after the program name; ``sys.argv[1:]`` by default.
     """
     args, config = parse_args(argv)
+    if args.mesa_smoke:
+        _smoke(args, config)
+        return
+    _run_train_py(args, config)
+
+
+def _image_folder(root: str) -> None:
+    """train/ and validation/ of 2 classes, 8 and 4 random 32x32 RGB PNGs per class."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 8), ("validation", 4)):
+        for cls in ("cat", "dog"):
+            folder = os.path.join(root, split, cls)
+            os.makedirs(folder)
+            for i in range(n):
+                pixels = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(os.path.join(folder, f"{i}.png"))
+
+
+def _smoke(args: argparse.Namespace, config: Config) -> None:
+    """--mesa-smoke: train.py on a generated ImageFolder in a temporary folder; exits 1 (with
+    the reason) unless train.py wrote its epoch's summary."""
+    import tempfile
+
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="mesa_lite_smoke_") as tmp:
+        data, out = os.path.join(tmp, "data"), os.path.join(tmp, "out")
+        _image_folder(data)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        args.train_args = ["--data-dir", data, "--output", out, "--device", device,
+                           *SMOKE_ARGS, *args.train_args]  # fmt: skip
+        _say(f"--mesa-smoke: {args.train_py} on a generated ImageFolder ({device})")
+        _run_train_py(args, config)
+        summary = os.path.join(out, "smoke", "summary.csv")
+        if not os.path.isfile(summary):
+            _say(f"--mesa-smoke FAILED: train.py wrote no {summary}")
+            sys.exit(1)
+        with open(summary) as f:
+            rows = f.read().strip().splitlines()
+        _say(f"--mesa-smoke passed: one epoch trained and evaluated ({rows[-1]})")
+
+
+def _run_train_py(args: argparse.Namespace, config: Config) -> None:
+    """Installs the hook (unless --mesa-off) and runs train.py as ``__main__``."""
     if args.mesa_off:
         _say("--mesa-off: running train.py without mesa_lite")
         restore = None

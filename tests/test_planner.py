@@ -747,16 +747,52 @@ def test_no_policy_times_faster_than_plain(monkeypatch):
     assert [c.seconds for c in m.costs["int4"]] == [0.015, 0.015]
 
 
-@pytest.mark.parametrize("timed, warmup", [(0, 1), (-1, 1), (2.5, 1), (1, -1)])
+@pytest.mark.parametrize("timed, warmup", [(True, 1), (-1, 1), (2.5, 1), (1, -1)])
 def test_bad_step_counts_are_refused(timed, warmup):
-    """Found by review: timed=0 looped forever."""
+    """Found by review: timed=0 looped forever (it is the memory-only mode now)."""
     from mesa_lite import planner
 
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8)) for _ in range(2)])
     x = torch.randn(4, 8)
-    what = "timed" if timed != 1 else "warmup"
+    what = "timed" if timed is True or timed != 1 else "warmup"
     with pytest.raises(ValueError, match=f"measure: {what} must be"):
         planner.measure(model, lambda m: m(x).sum(), blocks=["0", "1"], timed=timed, warmup=warmup)
+
+
+def test_memory_only_measures_the_same_bytes_and_times_nothing(monkeypatch):
+    """measure(timed=0) times no step (issue 53: an answer in seconds): the same kept bytes
+    and static memory as a timed measurement, the policies ranked by PROXY_STEP_RATIOS, and
+    a plan that predicts its peak but no step time, and says so."""
+    from mesa_lite import planner
+
+    def no_timing(*a, **k):
+        raise AssertionError("memory only: no step may be timed")
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                                      torch.nn.Linear(64, 32))
+                                  for _ in range(4)])  # fmt: skip
+    x = torch.randn(1024, 32)  # activations well above the static memory
+    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    step = lambda m: m(x).pow(2).mean()  # noqa: E731
+    kw = dict(blocks=["0", "1", "2", "3"], policies=("plain", "int8", "int4"), progress=False)
+    timed = planner.measure(model, step, opt, **kw)
+    monkeypatch.setattr(planner, "_step_seconds", no_timing)
+    fast = planner.measure(model, step, opt, timed=0, **kw)
+    assert timed.timed and not fast.timed
+    assert fast.static == timed.static and fast.outside == timed.outside
+    for p, costs in fast.costs.items():
+        assert [c.kept for c in costs] == [c.kept for c in timed.costs[p]], p
+        assert {c.seconds for c in costs} == {planner.PROXY_STEP_RATIOS[p] / 4}, p
+    plan = planner.choose(fast, 0.6)
+    assert plan.seconds is None and "step not timed (memory only)" in str(plan)
+    assert plan.peak == planner.choose(
+        dataclasses.replace(timed, costs={
+            p: [dataclasses.replace(c, seconds=f.seconds) for c, f in zip(cs, fast.costs[p],
+                                                                          strict=True)]
+            for p, cs in timed.costs.items()}), 0.6).peak  # fmt: skip
+    assert plan.peak <= 0.6 * planner.plain_peak(fast)
+    assert set(plan.policies) - {"plain"}, plan.policies  # something had to be compressed
 
 
 def test_measure_shows_progress_with_the_step_count_up_front(monkeypatch):

@@ -1,4 +1,5 @@
-"""mesa_lite.timm_train: timm's own train.py (vendored in tests/data) run with ``wrap`` applied.
+"""mesa_lite.timm_train: timm's own train.py (vendored in mesa_lite/vendor) run with ``wrap``
+applied.
 
 The training runs call the launcher's ``main`` in this process, so torch and timm are imported
 once: a 2-block DeiT-Tiny on 32x32 images of a generated 2-class ImageFolder, with DeiT's recipe
@@ -27,7 +28,7 @@ import torch.nn as nn
 import mesa_lite
 from mesa_lite import timm_train
 
-TRAIN_PY = Path(__file__).parent / "data" / "timm_train.py"
+TRAIN_PY = Path(timm_train.VENDORED_TRAIN_PY)
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "deit_tiny_patch16_224"
 MODEL_KWARGS = {"depth": 2, "img_size": 32, "num_classes": 2}
@@ -457,3 +458,17 @@ def test_an_img_size_the_model_was_not_built_for_is_refused_with_the_fix():
         timm.create_model("resnet18", num_classes=2)
     finally:
         restore()
+
+
+def test_the_smoke_run_passes_offline_on_the_first_try():
+    """--mesa-smoke (issue 53): the train.py copy that ships with mesa_lite, a generated
+    ImageFolder, one epoch of DeiT's recipe on a 2-block DeiT-Tiny, wrapped at the launcher's
+    options; no download, no path to give."""
+    assert os.path.isfile(timm_train.VENDORED_TRAIN_PY)
+    err, models = _run(["--mesa-bits", "8", "--mesa-smoke"])
+    assert "--mesa-smoke passed: one epoch trained and evaluated" in err, err[-2000:]
+    (model,) = models  # train.py creates one (its EMA is a deep copy)
+    assert mesa_lite.wrapped_modules(model), "the smoke run's model was not wrapped"
+    moved = [k for k, v in model.state_dict().items()
+             if v.is_floating_point() and not torch.equal(v, model._initial_state[k])]  # fmt: skip
+    assert moved, "training did not move the weights"
