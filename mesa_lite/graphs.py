@@ -32,8 +32,10 @@ them, so clone what must outlive a step. The graph's memory pool is held until `
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -59,12 +61,26 @@ class GraphInfo:
     replays: int = 0
     eager_calls: int = 0
     warned: set = dataclasses.field(default_factory=set)
+    storage: tuple = ()
+    specs: tuple = ()
+    pending: bool = False  # a replay whose backward has not run yet
+    pending_output: Callable = lambda: None  # that replay's output's autograd node, weakly
+
+    def __deepcopy__(self, memo):  # a copy of the model is not graphed
+        return None
+
+    def __reduce__(self):
+        return _none, ()
+
+
+def _none():
+    return None
 
 
 def _signature(args) -> tuple:
     return tuple(
-        (tuple(a.shape), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor)
-        else type(a)
+        (tuple(a.shape), a.dtype, a.device, a.requires_grad, a.stride())
+        if isinstance(a, torch.Tensor) else type(a)
         for a in args
     )  # fmt: skip
 
@@ -73,7 +89,7 @@ def _describe(sig) -> str:
     parts = []
     for s in sig:
         if isinstance(s, tuple):
-            shape, dtype, device, rg = s
+            shape, dtype, device, rg, _ = s
             parts.append(f"{list(shape)} {str(dtype).replace('torch.', '')} on {device}"
                          + (" requiring grad" if rg else ""))  # fmt: skip
         else:
@@ -91,7 +107,7 @@ def _refusal(model: nn.Module, sample_args: tuple, autocast) -> str | None:
         return ("a model inside DistributedDataParallel or FSDP is not supported (their "
                 "communication hooks run per step on the host); graph a single-GPU "
                 "model")  # fmt: skip
-    if _KEY in model.__dict__:
+    if model.__dict__.get(_KEY) is not None:
         return "the model is graphed already (mesa_lite.ungraph(model) first)"
     if not model.training:
         return "the model is in evaluation mode: capture records a training step (model.train())"
@@ -109,6 +125,15 @@ def _refusal(model: nn.Module, sample_args: tuple, autocast) -> str | None:
                 what = f"module {name!r} ({type(m).__name__})" if name else "the model"
                 return (f"{what} has a {kind} registered: it would run at capture only, never "
                         "on replay (remove it before graphing)")  # fmt: skip
+        for pname, p in m.named_parameters(recurse=False):
+            if getattr(p, "_backward_hooks", None):
+                return (f"parameter {(name + '.' if name else '') + pname!r} has a tensor hook "
+                        "(register_hook): inside the graph and again after it, it would apply "
+                        "twice")  # fmt: skip
+        for bname, b in m.named_buffers(recurse=False):
+            if b.requires_grad:
+                return (f"buffer {(name + '.' if name else '') + bname!r} requires grad: only "
+                        "parameters may be trained through a graph")  # fmt: skip
         spec = getattr(m, "mesa_spec", None)
         if spec is not None and getattr(spec, "rounding", None) == "stochastic":
             return (f"module {name!r} rounds stochastically: its seed is drawn on the host "
@@ -174,19 +199,32 @@ def graphed(
         raise ValueError(f"mesa_lite.graphed: {why}")
     own = model.__dict__.get("forward")  # a forward set on the instance, kept for ungraph
     eager = own if own is not None else types.MethodType(type(model).forward, model)
+    # the sample becomes the graph's static input (PyTorch copies each call's input into it):
+    # a copy, so that the caller's tensor is not overwritten by later calls
+    args = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
     with torch.no_grad():
         buffers = [(b, b.clone()) for b in model.buffers()]
+    buffer_ids = [id(b) for b in model.buffers()]
     pool = torch.cuda.graph_pool_handle()
     amp = torch.autocast("cuda", dtype=autocast or torch.float16, enabled=autocast is not None,
                          cache_enabled=False)  # fmt: skip
-    with amp:
-        torch.cuda.make_graphed_callables(
-            model, args, num_warmup_iters=warmup, allow_unused_input=True, pool=pool
+    try:
+        with torch.cuda.device(args[0].device if args else next(model.parameters()).device), amp:
+            torch.cuda.make_graphed_callables(
+                model, args, num_warmup_iters=warmup, allow_unused_input=True, pool=pool
+            )
+    finally:
+        replay = model.__dict__.pop("forward", None)
+        if own is not None:
+            model.forward = own
+        with torch.no_grad():  # warm-up and capture ran BatchNorm's statistics forward: undone
+            for b, saved in buffers:
+                b.copy_(saved)
+    if [id(b) for b in model.buffers()] != buffer_ids:
+        raise ValueError(
+            "mesa_lite.graphed: the forward replaces a buffer (self.name = tensor) instead of "
+            "updating it in place: a replay would keep the graph's copy and never update it"
         )
-    replay = model.__dict__.pop("forward")
-    with torch.no_grad():  # warm-up and capture ran BatchNorm's statistics forward: undone
-        for b, saved in buffers:
-            b.copy_(saved)
     params = tuple(model.parameters())
     info = GraphInfo(
         signature=_signature(args),
@@ -198,33 +236,116 @@ def graphed(
         fallback=fallback,
         autocast=autocast,
     )
+    info.storage = _storage(model)
+    info.specs = _specs(model)
+    model.__dict__[_KEY] = info
+    model.forward = GraphedForward(model)
+    return model
 
-    def forward(*call_args, **kwargs):
-        why = None
+
+def _fresh_grads(info: GraphInfo, grad_inputs, grad_outputs):
+    """A post-hook on a replay's backward node: PyTorch's graphed backward returns the graph's
+    own gradient buffers, which autograd would keep as ``p.grad`` where it is None, so the
+    next replay would overwrite them (and accumulation over micro-batches or
+    ``zero_grad(set_to_none=False)`` would add them twice). Autograd gets copies instead, made
+    in one fused launch; the pending backward is marked done."""
+    info.pending = False
+    given = [g for g in grad_inputs if g is not None]
+    if not given:
+        return None
+    copies = iter(torch._foreach_mul(given, 1.0))
+    return tuple(None if g is None else next(copies) for g in grad_inputs)
+
+
+def _storage(model: nn.Module) -> tuple:
+    """What the graphs read: each parameter's and buffer's object and memory."""
+    return tuple((id(t), t.data_ptr(), t.dtype) for t in (*model.parameters(), *model.buffers()))
+
+
+def _specs(model: nn.Module) -> tuple:
+    return tuple(getattr(m, "mesa_spec", None) for m in model.modules())
+
+
+def _autocast_state() -> tuple:
+    enabled = torch.is_autocast_enabled("cuda")
+    return (enabled, torch.get_autocast_dtype("cuda") if enabled else None)
+
+
+class GraphedForward:
+    """The forward ``graphed`` sets on the model: replays the graphs when a call matches the
+    capture, else runs the model's own forward (or raises, ``fallback="error"``). A copy of
+    the model (``copy.deepcopy``: a timm model EMA) or a pickled one comes out ungraphed."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __deepcopy__(self, memo):
+        return _Ungraphed(memo.get(id(self.model), self.model))
+
+    def __reduce__(self):
+        return _Ungraphed, (self.model,)
+
+    def _why_not(self, info: GraphInfo, call_args, kwargs) -> str | None:
+        model = self.model
+        if kwargs:
+            return f"keyword arguments ({', '.join(kwargs)}) are not captured"
+        sig = _signature(call_args)
+        if sig != info.signature:
+            return (f"inputs {_describe(sig)} differ from the captured "
+                    f"{_describe(info.signature)}")  # fmt: skip
+        if _autocast_state() != ((info.autocast is not None), info.autocast):
+            return (f"the call's autocast state differs from the capture's (autocast="
+                    f"{info.autocast}): the graph would replay the capture's")  # fmt: skip
+        if tuple(p.requires_grad for p in model.parameters()) != info.requires_grad:
+            return "a parameter's requires_grad changed since capture (graph again)"
+        if _storage(model) != info.storage:
+            return ("a parameter or buffer was replaced or moved since capture (.to(), .half(), "
+                    "load_state_dict(assign=True), p.data = ...): graph again")  # fmt: skip
+        if _specs(model) != info.specs:
+            return "the model was wrapped again or unwrapped since capture: graph again"
+        if info.pending and info.pending_output() is not None:
+            return ("the previous graphed call's backward has not run: its saved activations "
+                    "are the graph's, which a second replay would overwrite")  # fmt: skip
+        return None
+
+    def __call__(self, *call_args, **kwargs):
+        model = self.model
+        info = model.__dict__[_KEY]
         if not (model.training and torch.is_grad_enabled()):
-            pass  # evaluation or no_grad: the eager forward, as PyTorch's graphed callables do
-        elif kwargs:
-            why = f"keyword arguments ({', '.join(kwargs)}) are not captured"
-        elif _signature(call_args) != info.signature:
-            why = (f"inputs {_describe(_signature(call_args))} differ from the captured "
-                   f"{_describe(info.signature)}")  # fmt: skip
-        elif tuple(p.requires_grad for p in params) != info.requires_grad:
-            why = "a parameter's requires_grad changed since capture (graph again)"
-        else:
+            # evaluation or no_grad: the eager forward, as PyTorch's graphed callables do
+            info.eager_calls += 1
+            return info.eager_forward(*call_args, **kwargs)
+        why = self._why_not(info, call_args, kwargs)
+        if why is None:
             info.replays += 1
-            return info.graphed_forward(*call_args)
-        if why is not None:
-            if info.fallback == "error":
-                raise ValueError(f"mesa_lite.graphed: {why}")
-            if why not in info.warned:
-                info.warned.add(why)
-                warnings.warn(f"mesa_lite.graphed: {why}; this call runs eagerly", stacklevel=3)
+            out = info.graphed_forward(*call_args)
+            # the replay's backward node: its hook copies the gradients out of the graph's
+            # buffers; pending until it runs, or until the node is gone (a step dropped
+            # before its backward)
+            nodes = [getattr(t, "grad_fn", None) for t in torch.utils._pytree.tree_leaves(out)]
+            node = next((n for n in nodes if n is not None), None)
+            if node is not None:
+                node.register_hook(functools.partial(_fresh_grads, info))
+                info.pending_output = weakref.ref(node)
+                info.pending = True
+            return out
+        if info.fallback == "error":
+            raise ValueError(f"mesa_lite.graphed: {why}")
+        if why not in info.warned:
+            info.warned.add(why)
+            warnings.warn(f"mesa_lite.graphed: {why}; this call runs eagerly", stacklevel=2)
         info.eager_calls += 1
         return info.eager_forward(*call_args, **kwargs)
 
-    model.__dict__[_KEY] = info
-    model.forward = forward
-    return model
+
+class _Ungraphed:
+    """The forward of a copy of a graphed model: the model class's own."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        return type(self.model).forward(self.model, *args, **kwargs)
 
 
 def graph_info(model: nn.Module) -> GraphInfo | None:
@@ -238,6 +359,8 @@ def ungraph(model: nn.Module) -> nn.Module:
     released once nothing else refers to them. Returns the model."""
     info = model.__dict__.pop(_KEY, None)
     if info is None:
+        if isinstance(model.__dict__.get("forward"), _Ungraphed):  # a copy of a graphed model
+            del model.__dict__["forward"]
         return model
     model.__dict__.pop("forward", None)
     if info.own_forward is not None:

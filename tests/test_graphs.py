@@ -105,6 +105,14 @@ def test_refusals_name_the_problem():
     m = mesa_lite.wrap(Net(), Config(bits=4))  # 4 bits round stochastically by default
     with pytest.raises(ValueError, match="rounds stochastically"):
         mesa_lite.graphed(m, (x,))
+    m = Net()
+    m.head.weight.register_hook(lambda g: g * 2)
+    with pytest.raises(ValueError, match="parameter 'head.weight' has a tensor hook"):
+        mesa_lite.graphed(m, (x,))
+    m = Net()
+    m.register_buffer("scale", torch.ones(3, requires_grad=True))
+    with pytest.raises(ValueError, match="buffer 'scale' requires grad"):
+        mesa_lite.graphed(m, (x,))
     with pytest.raises(ValueError, match="autocast must be"):
         mesa_lite.graphed(Net(), (x,), autocast=torch.float64)
     with pytest.raises(ValueError, match="sample argument 1 is a int"):
@@ -205,26 +213,35 @@ def test_dropout_draws_new_masks_on_each_replay():
     torch.manual_seed(0)
     model = mesa_lite.wrap(Net(p=0.5).cuda())
     x = torch.randn(16, 8, 48, device="cuda")
-    g = mesa_lite.graphed(model, (x,), autocast=torch.float16)
-    first = g(x).clone()
-    second = g(x).clone()
-    assert not torch.equal(first, second)
+    g = mesa_lite.graphed(model, (x,), autocast=torch.float16, fallback="error")
+    with torch.autocast("cuda", torch.float16):
+        first = g(x)
+        first.sum().backward()
+        first = first.clone()
+        second = g(x)
+        second.sum().backward()
+    assert not torch.equal(first, second) and mesa_lite.graph_info(g).replays == 2
 
 
 @cuda
 def test_memory_outputs_eval_and_ungraph():
     """The pool holds the replays' memory; outputs are the graph's static buffers (the next
-    call overwrites them: documented); evaluation and no_grad run eagerly; ungraph gives the
-    model's own forward back."""
+    call overwrites them: documented), the caller's sample tensor is not; evaluation and
+    no_grad run eagerly; ungraph gives the model's own forward back and removes its hooks."""
     torch.manual_seed(0)
     model = mesa_lite.wrap(Net().cuda())
     x = torch.randn(16, 8, 48, device="cuda")
+    kept = x.clone()
     g = mesa_lite.graphed(model, (x,), autocast=torch.float16)
     mem = mesa_lite.graph_memory(g)
     assert mem["reserved"] > 0 and mem["reserved"] >= mem["allocated"] > 0, mem
-    a = g(x)
-    b = g(x + 1)
-    assert a.data_ptr() == b.data_ptr()
+    with torch.autocast("cuda", torch.float16):
+        a = g(x + 1)
+        a.sum().backward()
+        b = g(x + 2)
+        b.sum().backward()
+    assert a.data_ptr() == b.data_ptr() and mesa_lite.graph_info(g).replays == 2
+    assert torch.equal(x, kept), "the sample tensor became the graph's input buffer"
     g.eval()
     with torch.autocast("cuda", torch.float16):
         e1 = g(x)
@@ -241,6 +258,121 @@ def test_memory_outputs_eval_and_ungraph():
         mesa_lite.graphed(mesa_lite.graphed(g, (x,)), (x,))
 
 
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@cuda
+def test_accumulated_gradients_and_two_calls_before_backward():
+    """PyTorch's graphed backward hands back the graph's own gradient buffers: kept as
+    p.grad they were overwritten by the next replay, and accumulation (micro-batches,
+    zero_grad(set_to_none=False)) added them twice. Gradients now accumulate as eager ones
+    do; a second call before the first one's backward runs eagerly (the first one's saved
+    activations are the graph's), and both backward passes are right."""
+    torch.manual_seed(0)
+    plain = mesa_lite.wrap(Net().cuda())
+    batches = _batches(3, (16, 8, 48), seed=3)
+    eager = copy.deepcopy(plain)
+    g = mesa_lite.graphed(copy.deepcopy(plain), (batches[0][0],), autocast=torch.bfloat16,
+                          fallback="error")  # fmt: skip
+    for m in (eager, g):  # three micro-batches accumulated, then two more steps' worth
+        for x, y in batches:
+            with torch.autocast("cuda", torch.bfloat16):
+                F.cross_entropy(m(x), y).backward()
+    ref, got = _grads(eager), _grads(g)
+    assert ref.keys() == got.keys()
+    for n, a in ref.items():
+        assert sqnr_db(a.float(), got[n].float()) >= 50.0, n
+    for m in (eager, g):  # zero_grad(set_to_none=False): the buffers are kept and zeroed
+        for p in m.parameters():
+            p.grad.zero_()
+        with torch.autocast("cuda", torch.bfloat16):
+            F.cross_entropy(m(batches[1][0]), batches[1][1]).backward()
+    ref, got = _grads(eager), _grads(g)
+    for n, a in ref.items():
+        assert sqnr_db(a.float(), got[n].float()) >= 50.0, n
+    lenient = mesa_lite.graphed(copy.deepcopy(plain), (batches[0][0],), autocast=torch.bfloat16)
+    for m in (eager, lenient):  # two views, one backward
+        m.zero_grad(set_to_none=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = F.cross_entropy(m(batches[0][0]), batches[0][1]) + F.cross_entropy(
+                    m(batches[2][0]), batches[2][1]
+                )
+            loss.backward()
+    assert any("backward has not run" in str(w.message) for w in caught)
+    ref, got = _grads(eager), _grads(lenient)
+    for n, a in ref.items():
+        assert sqnr_db(a.float(), got[n].float()) >= 50.0, n
+    info = mesa_lite.graph_info(lenient)
+    assert info.replays == 1 and info.eager_calls == 1
+    with torch.autocast("cuda", torch.bfloat16):  # a step dropped before its backward
+        lenient(batches[0][0])
+        lenient(batches[1][0]).sum().backward()
+    assert info.replays == 3, "a dropped output must not block the next replay"
+
+
+@cuda
+def test_copies_pickles_and_calls_the_capture_cannot_serve():
+    """A deep copy (a timm model EMA) and a pickled copy come out ungraphed, running on their
+    own parameters; a call under another autocast, with a replaced parameter or a transposed
+    view of the same shape runs eagerly; a forward that replaces a buffer is refused."""
+
+    torch.manual_seed(0)
+    model = mesa_lite.wrap(Net().cuda())
+    g = mesa_lite.graphed(model, (torch.randn(16, 8, 48, device="cuda"),), autocast=torch.float16)
+    for twin in (copy.deepcopy(g), torch.load(_saved(g), weights_only=False)):
+        assert mesa_lite.graph_info(twin) is None
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.mul_(0.5)
+        with torch.autocast("cuda", torch.float16):
+            out = twin(torch.randn(16, 8, 48, device="cuda"))
+        out.sum().backward()
+        assert all(p.grad is not None for p in twin.parameters())
+        assert all(p.grad is None for p in g.parameters()), "the copy ran the original"
+        mesa_lite.ungraph(twin)
+        assert "forward" not in vars(twin)
+    info = mesa_lite.graph_info(g)
+    h = torch.randn(16, 8, 48, device="cuda")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.autocast("cuda", torch.bfloat16):
+            g(h)
+        with torch.autocast("cuda", torch.float16):
+            g(torch.randn(16, 48, 8, device="cuda").transpose(1, 2))
+            g.head.weight.data = g.head.weight.data.clone()
+            g(h)
+    said = " ".join(str(w.message) for w in caught)
+    assert "autocast state differs" in said and "differ from the captured" in said, said
+    assert "replaced or moved" in said, said
+    assert info.replays == 0 and info.eager_calls == 3
+
+    class Ema(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(48, 10)
+            self.register_buffer("avg", torch.zeros(10))
+
+        def forward(self, t):
+            out = self.lin(t)
+            self.avg = 0.9 * self.avg + 0.1 * out.detach().mean((0, 1))
+            return out
+
+    with pytest.raises(ValueError, match="replaces a buffer"):
+        mesa_lite.graphed(Ema().cuda(), (h,))
+
+
+def _saved(model):
+    import io
+
+    f = io.BytesIO()
+    torch.save(model, f)
+    f.seek(0)
+    return f
+
+
 @cuda
 def test_frozen_parameters_and_a_changed_requires_grad():
     torch.manual_seed(0)
@@ -252,5 +384,8 @@ def test_frozen_parameters_and_a_changed_requires_grad():
         g(x).sum().backward()
     assert g.embed.weight.grad is None and g.head.weight.grad is not None
     g.embed.requires_grad_(True)
-    with pytest.raises(ValueError, match="requires_grad changed"):
+    with (
+        pytest.raises(ValueError, match="requires_grad changed"),
+        torch.autocast("cuda", torch.float16),
+    ):
         g(x)
