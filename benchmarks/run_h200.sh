@@ -17,6 +17,7 @@ mkdir -p "$OUT"
 what=${1:-all}
 shift || true
 export PYTHONUNBUFFERED=1
+export PYTEST_ADDOPTS="-m ''"  # both test tiers (tests/tiers.py): the GPU runs every case
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, timm; print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__)" | tee -a "$OUT/gpu.txt"
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v -i "warning" || true

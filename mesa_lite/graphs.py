@@ -13,20 +13,27 @@ small model spends its time. The loss, the optimizer and the GradScaler stay out
         scaler.scale(loss).backward()
         scaler.step(opt); scaler.update(); opt.zero_grad(set_to_none=True)
 
-What capture cannot replay is refused before capture, with the reason: hooks on any module
-(they would run once, at capture, and never again), stochastic rounding (its seed is drawn on
-the host per call), a model outside training mode, parameters or sample inputs off the GPU,
-a model inside DistributedDataParallel or FSDP. What capture would change is put back: the
-warm-up and capture passes update BatchNorm's running statistics, which are restored after.
-Dropout draws through PyTorch's graph-safe generator, so each replay draws new masks.
+What capture cannot replay is refused before capture, with the reason: hooks on any module,
+global module hooks and tensor hooks on parameters (they would run at capture only, or
+twice), stochastic rounding (its seed is drawn on the host per call), a model outside training
+mode, parameters or sample inputs off the GPU, buffers that require grad, a model inside
+DistributedDataParallel or FSDP, and a forward that replaces a buffer. What capture would
+change is put back: the warm-up and capture passes update BatchNorm's running statistics,
+which are restored after (also when capture fails). Dropout draws through PyTorch's
+graph-safe generator, so each replay draws new masks. Gradients accumulate as in eager mode
+(``_fresh_grads``).
 
 A call the graphs cannot serve runs the model's own forward (``fallback="eager"``, the
-default) or raises (``fallback="error"``): inputs of another shape, dtype, device or
-``requires_grad`` than the sample (the last partial batch of an epoch), keyword arguments, a
-parameter whose ``requires_grad`` changed since capture, evaluation mode or ``no_grad``.
+default, with one warning per reason) or raises (``fallback="error"``): inputs of another
+shape, dtype, strides, device or ``requires_grad`` than the sample (the last partial batch of
+an epoch), keyword arguments, another autocast state than the capture's, a parameter whose
+``requires_grad`` changed, a parameter or buffer replaced or moved since capture, layers
+wrapped again, a second call before the first one's backward. Evaluation mode and ``no_grad``
+run the model's own forward without a warning.
 
 The outputs a graphed call returns are the graph's static buffers: the next call overwrites
-them, so clone what must outlive a step. The graph's memory pool is held until ``ungraph``.
+them, so clone what must outlive a step. A deep or pickled copy of a graphed model comes out
+ungraphed; the graph's memory pool is held until ``ungraph``.
 """
 
 from __future__ import annotations

@@ -30,6 +30,22 @@ try:  # property tests draw the same examples on every run: CI must not fail one
 except ImportError:  # pragma: no cover - hypothesis is a test dependency
     pass
 
+from tiers import exhaustive  # noqa: E402
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by the marks
+def pytest_collection_modifyitems(config, items):
+    """Marks the exhaustive tier (tests/tiers.py): ``pytest -m exhaustive`` runs it, the
+    default command leaves it out (pyproject's addopts)."""
+    seen: dict[str, int] = {}
+    for item in items:
+        function = item.nodeid.partition("[")[0]
+        index = seen.get(function, 0)
+        seen[function] = index + 1
+        if exhaustive(item.nodeid, index):
+            item.add_marker(pytest.mark.exhaustive)
+
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
