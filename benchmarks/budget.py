@@ -307,6 +307,7 @@ def _measurements_row(m) -> dict:
         "costs": {p: [list(dataclasses.astuple(c)) for c in cs] for p, cs in m.costs.items()},
         "static": m.static, "outside": m.outside, "temporaries": m.temporaries,
         "optimizer_peak": m.optimizer_peak, "leaves": list(m.leaves),
+        "timed": m.timed,  # False: memory only, the seconds are PROXY_STEP_RATIOS' ranking
     }  # fmt: skip
 
 
@@ -388,10 +389,11 @@ def run(argv=None) -> list[dict]:
                 row["predicted_step_ms"] = plan.seconds * 1e3
             r = measured(label, config=plan.config, compiled=compiled, extra=row)
             if "error" not in r:
+                predicted = r.get("predicted_step_ms")
                 say(f"{name} {label}: {r['policies']}, memory {r['memory_mib']:.0f} MiB "
                     f"(budget {budget / MIB:.0f}, predicted {r['predicted_mib']:.0f}), step "
-                    f"{r['step_ms']:.1f} ms (predicted "
-                    f"{r.get('predicted_step_ms', float('nan')):.1f})")  # fmt: skip
+                    f"{r['step_ms']:.1f} ms"
+                    + ("" if predicted is None else f" (predicted {predicted:.1f})"))  # fmt: skip
 
         for label, budget in budgets:
             planned(label, budget)
@@ -431,6 +433,7 @@ def measurements_of(row: dict):
         costs={p: tuple(planner.PolicyCost(*c) for c in cs) for p, cs in row["costs"].items()},
         static=row["static"], outside=row["outside"], temporaries=row["temporaries"],
         optimizer_peak=row["optimizer_peak"], leaves=tuple(row["leaves"]),
+        timed=row.get("timed", True),
     )  # fmt: skip
 
 

@@ -68,7 +68,7 @@ SMOKE_ARGS = [
     "--epochs", "1", "--opt", "adamw", "--lr", "5e-4", "--weight-decay", "0.05",
     "--sched", "cosine", "--smoothing", "0.1", "--mixup", "0.8", "--cutmix", "1.0",
     "--aa", "rand-m9-mstd0.5-inc1", "--reprob", "0.25", "--drop-path", "0.1",
-    "--model-ema", "--experiment", "smoke",
+    "--model-ema",
 ]  # fmt: skip
 _SCRIPT = "mesa-lite-timm-train"  # the console entry point
 # Launcher options that take exactly one value (for splitting argv at train.py's path).
@@ -276,13 +276,15 @@ def _say(msg: str) -> None:
 
 
 def _img_size(train_args: Sequence[str]) -> int | None:
-    """The value of train.py's ``--img-size`` in its arguments, or None."""
+    """The value of train.py's ``--img-size`` in its arguments (the last one given, as
+    argparse takes it), or None."""
+    found = None
     for i, a in enumerate(train_args):
         if a == "--img-size" and i + 1 < len(train_args) and train_args[i + 1].isdigit():
-            return int(train_args[i + 1])
-        if a.startswith("--img-size=") and a.split("=", 1)[1].isdigit():
-            return int(a.split("=", 1)[1])
-    return None
+            found = int(train_args[i + 1])
+        elif a.startswith("--img-size=") and a.split("=", 1)[1].isdigit():
+            found = int(a.split("=", 1)[1])
+    return found
 
 
 def _check_img_size(model, model_name: str, img_size: int | None) -> None:
@@ -437,8 +439,10 @@ def _smoke(args: argparse.Namespace, config: Config) -> None:
         data, out = os.path.join(tmp, "data"), os.path.join(tmp, "out")
         _image_folder(data)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        args.train_args = ["--data-dir", data, "--output", out, "--device", device,
-                           *SMOKE_ARGS, *args.train_args]  # fmt: skip
+        # the user's train.py arguments after the smoke run's (argparse takes the last of
+        # each), its data and output folders last
+        args.train_args = ["--device", device, *SMOKE_ARGS, *args.train_args, "--data-dir",
+                           data, "--output", out, "--experiment", "smoke"]  # fmt: skip
         _say(f"--mesa-smoke: {args.train_py} on a generated ImageFolder ({device})")
         _run_train_py(args, config)
         summary = os.path.join(out, "smoke", "summary.csv")
@@ -447,7 +451,7 @@ def _smoke(args: argparse.Namespace, config: Config) -> None:
             sys.exit(1)
         with open(summary) as f:
             rows = f.read().strip().splitlines()
-        _say(f"--mesa-smoke passed: one epoch trained and evaluated ({rows[-1]})")
+        _say(f"--mesa-smoke passed: trained and evaluated ({rows[-1]})")
 
 
 def _run_train_py(args: argparse.Namespace, config: Config) -> None:

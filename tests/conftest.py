@@ -37,12 +37,8 @@ from tiers import exhaustive  # noqa: E402
 def pytest_collection_modifyitems(config, items):
     """Marks the exhaustive tier (tests/tiers.py): ``pytest -m exhaustive`` runs it, the
     default command leaves it out (pyproject's addopts)."""
-    seen: dict[str, int] = {}
     for item in items:
-        function = item.nodeid.partition("[")[0]
-        index = seen.get(function, 0)
-        seen[function] = index + 1
-        if exhaustive(item.nodeid, index):
+        if exhaustive(item.nodeid):
             item.add_marker(pytest.mark.exhaustive)
 
 

@@ -795,6 +795,24 @@ def test_memory_only_measures_the_same_bytes_and_times_nothing(monkeypatch):
     assert set(plan.policies) - {"plain"}, plan.policies  # something had to be compressed
 
 
+def test_a_memory_only_measurement_stays_so_through_budget_py_s_rows():
+    """Found by review: budget.py's "measurements" row dropped ``timed``, so a memory-only
+    measurement read back predicted the proxy ranking as milliseconds."""
+    from mesa_lite.benchmarks import budget
+
+    from mesa_lite import planner
+
+    costs = {p: [PolicyCost(kept=k, seconds=planner.PROXY_STEP_RATIOS[p] / 2)] * 2
+             for p, k in (("plain", 4000), ("int8", 1000))}  # fmt: skip
+    m = Measurements(blocks=("a", "b"), costs=costs, static=100, timed=False)
+    back = budget.measurements_of(json.loads(json.dumps(budget._measurements_row(m))))
+    assert back.timed is False
+    plan = planner.choose(back, 5000)
+    assert plan.seconds is None and "not timed" in str(plan)
+    timed = dataclasses.replace(m, timed=True)
+    assert budget.measurements_of(budget._measurements_row(timed)).timed is True
+
+
 def test_measure_shows_progress_with_the_step_count_up_front(monkeypatch):
     """planner.measure draws a tqdm bar whose description states the steps it will run (each
     policy's warmup, one counted step and the timed ones) and ticks once a step (issue 53: a

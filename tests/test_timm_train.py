@@ -466,9 +466,21 @@ def test_the_smoke_run_passes_offline_on_the_first_try():
     options; no download, no path to give."""
     assert os.path.isfile(timm_train.VENDORED_TRAIN_PY)
     err, models = _run(["--mesa-bits", "8", "--mesa-smoke"])
-    assert "--mesa-smoke passed: one epoch trained and evaluated" in err, err[-2000:]
+    assert "--mesa-smoke passed: trained and evaluated" in err, err[-2000:]
     (model,) = models  # train.py creates one (its EMA is a deep copy)
+    assert "--mesa-smoke passed" in err
     assert mesa_lite.wrapped_modules(model), "the smoke run's model was not wrapped"
     moved = [k for k, v in model.state_dict().items()
              if v.is_floating_point() and not torch.equal(v, model._initial_state[k])]  # fmt: skip
     assert moved, "training did not move the weights"
+
+
+def test_the_smoke_run_takes_train_py_arguments_and_checks_the_image_size():
+    """Found by review: train.py arguments given after the path overrode the smoke run's
+    output folder (it then reported a failure of a run that trained), and an --img-size there
+    crashed in timm instead of the launcher's refusal (it read the first --img-size, argparse
+    takes the last)."""
+    err, models = _run(["--mesa-smoke", str(TRAIN_PY), "--experiment", "mine", "--output", "x"])
+    assert "--mesa-smoke passed" in err, err[-2000:]
+    with pytest.raises(SystemExit, match="add --model-kwargs img_size=48"):
+        _run(["--mesa-smoke", str(TRAIN_PY), "--img-size", "48"])
