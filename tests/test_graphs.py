@@ -389,3 +389,81 @@ def test_frozen_parameters_and_a_changed_requires_grad():
         torch.autocast("cuda", torch.float16),
     ):
         g(x)
+
+
+# ---- the replay wrapper's logic, on any machine ----------------------------------------------
+
+
+class _FakeGraphed(torch.autograd.Function):
+    """Stands in for PyTorch's graphed callable on the CPU: computes ``x @ w.T`` and, as the
+    real one does, hands back gradients in the same static buffers on every call."""
+
+    buffers: dict = {}
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gw = _FakeGraphed.buffers.setdefault("w", torch.empty_like(w))
+        gw.copy_(g.t() @ x)
+        return None, gw.detach()
+
+
+def _fake_graphed(model, sample):
+    """``model`` (one Linear, no bias) with GraphedForward over ``_FakeGraphed``: the wrapper
+    as graphed() installs it, without CUDA."""
+    from mesa_lite import graphs
+
+    info = graphs.GraphInfo(
+        signature=graphs._signature((sample,)),
+        requires_grad=tuple(p.requires_grad for p in model.parameters()),
+        graphed_forward=lambda x: _FakeGraphed.apply(x, model.weight),
+        eager_forward=lambda x: torch.nn.functional.linear(x, model.weight),
+        own_forward=None,
+        pool=(0, 0),
+        fallback="eager",
+        autocast=None,
+    )
+    info.storage = graphs._storage(model)
+    info.specs = graphs._specs(model)
+    model.__dict__[graphs._KEY] = info
+    model.forward = graphs.GraphedForward(model)
+    return model, info
+
+
+def test_replayed_gradients_accumulate_and_a_pending_backward_is_respected():
+    """The wrapper's logic with a stand-in for PyTorch's graphed callable that, like it,
+    returns the same gradient buffers on every call: gradients accumulate over micro-batches
+    and across steps without zero_grad(set_to_none=True) as eager ones do (without the copy
+    they came back as the stand-in's buffer, doubled); a second call before the first one's
+    backward runs eagerly; a call whose output was dropped unanswered does not block replays."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 3, generator=g) for _ in range(3)]
+    eager = nn.Linear(3, 2, bias=False)
+    model, info = _fake_graphed(copy.deepcopy(eager), xs[0])
+    for m in (eager, model):
+        for x in xs:  # three micro-batches into one gradient
+            m(x).pow(2).sum().backward()
+    assert torch.allclose(model.weight.grad, eager.weight.grad, rtol=1e-6, atol=1e-6)
+    assert model.weight.grad.data_ptr() != _FakeGraphed.buffers["w"].data_ptr()
+    assert info.replays == 3 and info.eager_calls == 0
+    for m in (eager, model):  # set_to_none=False
+        m.weight.grad.zero_()
+        m(xs[1]).sum().backward()
+    assert torch.allclose(model.weight.grad, eager.weight.grad, rtol=1e-6, atol=1e-6)
+    for m in (eager, model):  # two calls, one backward
+        m.weight.grad = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            (m(xs[0]).sum() + m(xs[2]).pow(2).sum()).backward()
+    assert any("backward has not run" in str(w.message) for w in caught)
+    assert torch.allclose(model.weight.grad, eager.weight.grad, rtol=1e-6, atol=1e-6)
+    assert info.replays == 5 and info.eager_calls == 1
+    model(xs[0])  # dropped before its backward
+    model(xs[1]).sum().backward()
+    assert info.replays == 7, "a dropped output must not block the next replay"
