@@ -25,7 +25,7 @@ graph-safe generator, so each replay draws new masks. Gradients accumulate as in
 
 A call the graphs cannot serve runs the model's own forward (``fallback="eager"``, the
 default, with one warning per reason) or raises (``fallback="error"``): inputs of another
-shape, dtype, strides, device or ``requires_grad`` than the sample (the last partial batch of
+shape, dtype, device or ``requires_grad`` than the sample (the last partial batch of
 an epoch), keyword arguments, another autocast state than the capture's, a parameter whose
 ``requires_grad`` changed, a parameter or buffer replaced or moved since capture, layers
 wrapped again, a second call before the first one's backward. Evaluation mode and ``no_grad``
@@ -38,6 +38,7 @@ ungraphed; the graph's memory pool is held until ``ungraph``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import types
@@ -84,10 +85,16 @@ def _none():
     return None
 
 
+def _same(value):
+    return value
+
+
 def _signature(args) -> tuple:
+    # no strides: each call's input is copied into the graph's own input buffer (a private
+    # clone of the sample, so never the caller's memory), whatever its layout
     return tuple(
-        (tuple(a.shape), a.dtype, a.device, a.requires_grad, a.stride())
-        if isinstance(a, torch.Tensor) else type(a)
+        (tuple(a.shape), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor)
+        else type(a)
         for a in args
     )  # fmt: skip
 
@@ -96,7 +103,7 @@ def _describe(sig) -> str:
     parts = []
     for s in sig:
         if isinstance(s, tuple):
-            shape, dtype, device, rg, _ = s
+            shape, dtype, device, rg = s
             parts.append(f"{list(shape)} {str(dtype).replace('torch.', '')} on {device}"
                          + (" requiring grad" if rg else ""))  # fmt: skip
         else:
@@ -287,9 +294,15 @@ class GraphedForward:
         self.model = model
 
     def __deepcopy__(self, memo):
+        info = self.model.__dict__.get(_KEY)
+        if info is not None and info.own_forward is not None:  # the forward it had before
+            return copy.deepcopy(info.own_forward, memo)
         return _Ungraphed(memo.get(id(self.model), self.model))
 
     def __reduce__(self):
+        info = self.model.__dict__.get(_KEY)
+        if info is not None and info.own_forward is not None:
+            return _same, (info.own_forward,)
         return _Ungraphed, (self.model,)
 
     def _why_not(self, info: GraphInfo, call_args, kwargs) -> str | None:

@@ -316,8 +316,8 @@ def test_accumulated_gradients_and_two_calls_before_backward():
 @cuda
 def test_copies_pickles_and_calls_the_capture_cannot_serve():
     """A deep copy (a timm model EMA) and a pickled copy come out ungraphed, running on their
-    own parameters; a call under another autocast, with a replaced parameter or a transposed
-    view of the same shape runs eagerly; a forward that replaces a buffer is refused."""
+    own parameters; a call under another autocast, with a replaced parameter or of another
+    batch size runs eagerly; a forward that replaces a buffer is refused."""
 
     torch.manual_seed(0)
     model = mesa_lite.wrap(Net().cuda())
@@ -341,7 +341,7 @@ def test_copies_pickles_and_calls_the_capture_cannot_serve():
         with torch.autocast("cuda", torch.bfloat16):
             g(h)
         with torch.autocast("cuda", torch.float16):
-            g(torch.randn(16, 48, 8, device="cuda").transpose(1, 2))
+            g(h[:8])
             g.head.weight.data = g.head.weight.data.clone()
             g(h)
     said = " ".join(str(w.message) for w in caught)
@@ -467,3 +467,30 @@ def test_replayed_gradients_accumulate_and_a_pending_backward_is_respected():
     model(xs[0])  # dropped before its backward
     model(xs[1]).sum().backward()
     assert info.replays == 7, "a dropped output must not block the next replay"
+
+
+def _twice_linear(m, x):
+    return torch.nn.functional.linear(x, m.weight) * 2
+
+
+def test_copies_of_a_graphed_model_keep_its_own_forward_and_layouts_do_not_matter():
+    """Found by review: a copy of a graphed model whose forward was set on the instance ran
+    the class's forward instead; a sample that is a non-contiguous view sent every later call
+    of that layout to the eager forward (its clone's strides were compared)."""
+    import functools
+
+    from mesa_lite import graphs
+
+    model = nn.Linear(6, 2, bias=False)
+    own = functools.partial(_twice_linear, model)
+    model.forward = own
+    sample = torch.randn(4, 12)[:, :6]  # a view with strides (12, 1)
+    assert graphs._signature((sample,)) == graphs._signature((sample.clone(),))
+    model, info = _fake_graphed(model, sample)
+    info.own_forward = own  # as graphed() records a forward set on the instance
+    x = torch.randn(3, 6)
+    for twin in (copy.deepcopy(model), torch.load(_saved(model), weights_only=False)):
+        assert graphs.graph_info(twin) is None
+        forward = vars(twin)["forward"]
+        assert isinstance(forward, functools.partial) and forward.args[0] is twin
+        assert torch.equal(twin(x), _twice_linear(twin, x))
