@@ -73,7 +73,7 @@ def test_the_readme_is_at_most_250_lines():
 
 def test_an_altered_figure_fails_naming_the_table():
     # DeiT-S's step ratio in the deit table, from eager_speed_vit_gpu.jsonl (33.1 / 50.1 ms)
-    row = next(line for line in README.splitlines() if line.startswith("| DeiT-S | 4,699 |"))
+    row = next(line for line in README.splitlines() if line.startswith("| DeiT-S | 4,702 |"))
     assert "| 1.51x |" in row
     altered = README.replace(row, row.replace("| 1.51x |", "| 1.50x |"))
     problems = readme_tables.check(altered)
@@ -178,10 +178,10 @@ def _run_script(*args: str) -> subprocess.CompletedProcess:
 
 def test_check_command_exits_nonzero_on_a_stale_readme_without_importing_torch(tmp_path):
     stale = tmp_path / "README.md"
-    stale.write_text(README.replace("| 4,699 | 1,980 |", "| 4,699 | 1,981 |"))
+    stale.write_text(README.replace("| 4,702 | 1,981 |", "| 4,702 | 1,982 |"))
     proc = _run_script("--check", "--readme", str(stale))
     assert proc.stdout.strip() == "EXIT 1 TORCH False", (proc.stdout, proc.stderr)
-    assert "table 'deit' differs" in proc.stderr and "1,981" in proc.stderr
+    assert "table 'deit' differs" in proc.stderr and "1,982" in proc.stderr
 
 
 def test_check_command_exits_nonzero_on_a_stale_results_doc_naming_the_table(tmp_path):
@@ -195,7 +195,7 @@ def test_check_command_exits_nonzero_on_a_stale_results_doc_naming_the_table(tmp
 
 def test_the_command_rewrites_both_documents(tmp_path):
     readme, doc = tmp_path / "README.md", tmp_path / "RESULTS.md"
-    readme.write_text(README.replace("| 4,699 | 1,980 |", "| 4,699 | 1,981 |"))
+    readme.write_text(README.replace("| 4,702 | 1,981 |", "| 4,702 | 1,982 |"))
     doc.write_text(RESULTS_DOC.replace("| 4,945 | 5,171 / 4,866 |", "| 4,946 | 5,171 / 4,866 |"))
     proc = _run_script("--readme", str(readme), "--results-doc", str(doc))
     assert proc.stdout.strip().endswith("EXIT 0 TORCH False"), (proc.stdout, proc.stderr)
