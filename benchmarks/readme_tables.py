@@ -1,12 +1,23 @@
 """The results tables of README.md and docs/RESULTS.md, generated from the committed results files.
 
 Each table is built from named rows of named files in benchmarks/results/ (the .jsonl beside
-each .md), chosen in TABLES below, and sits between marker comments in whichever of the two
-documents (DOCUMENTS below) holds them, in exactly one:
+each .md, or a .csv where a benchmark writes CSV), chosen in TABLES below, and sits between
+marker comments in whichever of the documents (DOCUMENTS below) holds them, in exactly one:
 
   <!-- table:deit -->
   ...generated lines...
   <!-- /table:deit -->
+
+A table may also be the rows of one results file as they are, named by its marker:
+
+  <!-- table:rows;FILE;SELECTION;COLUMNS -->
+  ...generated lines...
+  <!-- /table:rows;FILE;SELECTION;COLUMNS -->
+
+that is every row of benchmarks/results/FILE.jsonl that SELECTION picks (as a figure's, below;
+empty: all), in the file's order, one column per FIELD/FORMAT of the comma-separated COLUMNS
+(the header is the field's name in words; FORMAT as a figure's). Such tables may sit in any
+of the documents, each in one place.
 
 Links to the results files are written relative to the document (docs/RESULTS.md links to
 ../benchmarks/results/).
@@ -26,11 +37,13 @@ the sentence (a line that begins with "<!--" is a raw HTML block to Markdown), w
   a number, true, false or null matches the JSON value); empty selects every row;
 - VALUE is a field of the one row selected (anything but one row is an error), or a summary
   of all the rows selected: median(FIELD) (of the finite values, as grad_fidelity.py takes
-  it), each(FIELD) (every row must give the same text), or diff_mean / diff_lo95 / diff_hi95
-  (FIELD, KEY=BASE, BY): the mean paired difference against the rows with KEY=BASE instead,
-  paired on BY, and the ends of its 95% interval (+- 1.96 standard errors, as accuracy.py);
-- FORMAT is x (2 decimals and "x"), mib (whole MiB with a thousands separator), ms (one
-  decimal), s (text as it is), or any Python format spec such as .1f or +.2f.
+  it), mean(FIELD), each(FIELD) (every row must give the same text), or diff_mean /
+  diff_lo95 / diff_hi95 (FIELD, KEY=BASE, BY): the mean paired difference against the rows
+  with KEY=BASE instead, paired on BY, and the ends of its 95% interval (+- 1.96 standard
+  errors, as accuracy.py);
+- FORMAT is x (2 decimals and "x"), mib or n (a whole number with a thousands separator), ms
+  (one decimal), s (text as it is), db (one decimal and "dB", "exact" for infinity), or any
+  Python format spec such as .1f or +.2f.
 
 Imports no torch, so it runs anywhere in well under a second.
 
@@ -43,6 +56,7 @@ Imports no torch, so it runs anywhere in well under a second.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import posixpath
@@ -62,9 +76,24 @@ GUIDE = "docs/GUIDE.md"  # figures only ("Which option when")
 DOCUMENTS = (README, DOC, GUIDE)
 
 
+def _cell(text: str):
+    """A CSV cell as the JSON value it spells (a number, true/false, null), else the text."""
+    if text in ("True", "False"):
+        return text == "True"
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def _load(name: str, root: Path = ROOT) -> list[dict]:
-    """The rows of benchmarks/results/<name>.jsonl."""
-    text = (root / RESULTS / f"{name}.jsonl").read_text()
+    """The rows of benchmarks/results/<name>.jsonl, or of <name>.csv where there is no .jsonl
+    (benchmarks/ablate.py writes CSV)."""
+    path = root / RESULTS / f"{name}.jsonl"
+    if not path.exists() and path.with_suffix(".csv").exists():
+        with path.with_suffix(".csv").open(newline="") as f:
+            return [{k: _cell(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    text = path.read_text()
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
@@ -87,7 +116,11 @@ class _Sources:
         self.used: dict[str, list[dict]] = {}
 
     def link(self, name: str) -> str:
-        return f"[`{name}.md`]({self.base}/{name}.md)"
+        csv_only = not (self.root / RESULTS / f"{name}.md").exists() and (
+            (self.root / RESULTS / f"{name}.csv").exists()
+        )
+        file = f"{name}.csv" if csv_only else f"{name}.md"
+        return f"[`{file}`]({self.base}/{file})"
 
     def rows(self, name: str) -> list[dict]:
         if name not in self._rows:
@@ -123,7 +156,8 @@ def _provenance(src: _Sources) -> list[str]:
     runs: dict[tuple, list[str]] = {}
     for name, rows in src.used.items():
         for r in rows:
-            key = (r["date"], r["device"], r["torch"], r.get("triton"), r.get("timm"),
+            key = (r.get("date", "undated"), r.get("device", "the device its file names"),
+                   r.get("torch", "?"), r.get("triton"), r.get("timm"),
                    r.get("transformers"))  # fmt: skip
             if name not in runs.setdefault(key, []):
                 runs[key].append(name)
@@ -183,7 +217,12 @@ def _cnn(src: _Sources) -> list[str]:
     """Convolutional networks with the opt-in kinds: plain AMP, timm's checkpointing, 8 and 4
     bits; ResNet-50, EfficientNet-B0 and MobileNetV3-large at batch 256, ConvNeXt-T and Swin-T
     at 128 (Swin-T with timm's explicit window attention, its default, and fused). Each ratio
-    against the plain row of its own run."""
+    against the plain row of its own run. Peaks from the memory runs; the steps of plain,
+    checkpointing and 8 bits from the interleaved eager-speed run where it measured the model
+    (ResNet-50, EfficientNet-B0: medians of 3 interleaved passes), the memory runs' otherwise
+    (each the median of one run's steps)."""
+    speed = {"ckpt": "ckpt", "mesa int8": "mesa int8, opt-in kinds"}  # memory label -> row
+    timed = {r["model"] for r in src.rows("eager_speed_cnn_gpu")}
     rows = []
     for label, model, name, match in (
         ("ResNet-50", "resnet50", "cnn_memory_gpu_relu4", {}),
@@ -195,11 +234,15 @@ def _cnn(src: _Sources) -> list[str]:
          {"attention": "fused"}),
     ):  # fmt: skip
         p0 = src.row(name, model=model, label="plain", **match)
-        cells = [label, str(p0["batch"]), _mib(p0["peak_mib"]), _ms(p0["step_ms"])]
+        s0 = src.row("eager_speed_cnn_gpu", model=model, row="plain") if model in timed else p0
+        cells = [label, str(p0["batch"]), _mib(p0["peak_mib"]), _ms(s0["step_ms"])]
         for mode in ("ckpt", "mesa int8", "mesa int4"):
             r = src.row(name, model=model, label=mode, **match)
-            red = p0["peak_mib"] / r["peak_mib"]
-            cells.append(f"{_x(red)}, {_x(r['step_ms'] / p0['step_ms'])}")
+            if model in timed and mode in speed:
+                step = src.row("eager_speed_cnn_gpu", model=model, row=speed[mode])["step_ratio"]
+            else:
+                step = r["step_ms"] / p0["step_ms"]
+            cells.append(f"{_x(p0['peak_mib'] / r['peak_mib'])}, {_x(step)}")
         rows.append(cells)
     header = ["model", "batch", "plain AMP peak MiB", "plain step ms",
               "timm checkpointing: peak reduction, step / plain",
@@ -297,21 +340,21 @@ def _ckpt(src: _Sources) -> list[str]:
 
 
 def _compiled(src: _Sources) -> list[str]:
-    """Eager and torch.compile rows: DeiT-S and DeiT-B with mesa_lite.compile and with plain
-    torch.compile, and the earlier DeiT-S run with eager mode and PyTorch's own options (each
-    ratio within its own run)."""
+    """torch.compile rows: DeiT-S and DeiT-B with mesa_lite.compile and with plain
+    torch.compile, and the earlier DeiT-S run with PyTorch's own options (each ratio within
+    its own run). The eager rows of these runs are left out: the eager figures are the
+    interleaved eager-speed run's (README's DeiT table)."""
     parts = (
         ("DeiT-S", "compile_speed_s_options", "deit_small_patch16_224",
          ["plain compiled", "mesa int8 compiled, decomposed",
           "mesa int8 compiled, decomposed, Inductor defaults", "plain compiled, reduce-overhead",
           "mesa int8 compiled, reduce-overhead"]),
         ("DeiT-S", "compile_speed_s", "deit_small_patch16_224",
-         ["plain", "mesa int8", "plain compiled", "plain compiled, activation_memory_budget 0.5",
+         ["plain compiled", "plain compiled, activation_memory_budget 0.5",
           "plain compiled, activation_memory_budget 0.2",
           "plain compiled, Inductor fp8 activations"]),
         ("DeiT-B", "compile_speed_b", "deit_base_patch16_224",
          ["plain compiled", "mesa int8 compiled, decomposed"]),
-        ("DeiT-B", "compile_speed_b_flash", "deit_base_patch16_224", ["plain", "mesa int8"]),
     )  # fmt: skip
     rows = []
     for label, name, model, names in parts:
@@ -379,11 +422,54 @@ TABLES: dict[str, Callable[[_Sources], list[str]]] = {
 }
 
 
+# a field's column header in a rows table, where its name in words is not the header wanted
+_HEADERS = {"step_ms": "step ms", "activation_mib": "activations MiB", "peak_mib": "peak MiB",
+            "step_ratio": "step / base row", "activation_reduction": "activation reduction",
+            "vs_copy": "vs copy", "memory_reduction": "peak reduction", "label": "row",
+            "sqnr_db": "gradient SQNR (median)",
+            "plain_layers": "stays plain (share of what is kept)",
+            "kept_for_backward_mib": "kept for backward MiB",
+            "backward_tmp_mib": "backward tmp MiB",
+            "kept_mib": "kept MiB", "step_spread": "step spread", "plain_us": "plain us",
+            "exact_us": "exact us", "wrapped_us": "wrapped us", "copy_gbs": "copy GB/s",
+            "quantize_gbs": "quantize GB/s", "quantize_vs_copy": "quantize vs copy",
+            "dequantize_gbs": "dequantize GB/s", "dequantize_vs_copy": "dequantize vs copy",
+            "acc_mean": "digits accuracy %", "plain_acc_mean": "plain accuracy %",
+            "grad_median_db": "gradient SQNR dB (median)"}  # fmt: skip
+_ROWS = "rows;"  # the prefix of a rows table's name
+
+
+def _rows_table(spec: str, src: _Sources) -> list[str]:
+    """The table that the marker ``<!-- table:rows;SPEC -->`` stands for (module docstring)."""
+    parts = spec.split(";")
+    if len(parts) != 3 or not parts[0].strip() or not parts[2].strip():
+        raise ValueError(f"table:rows;{spec}: expected rows;FILE;SELECTION;FIELD/FORMAT,...")
+    name, selection, columns = (p.strip() for p in parts)
+    cols = []
+    for c in columns.split(","):
+        field, slash, fmt = c.strip().partition("/")
+        if not slash or not field or not fmt:
+            raise ValueError(f"table:rows;{spec}: column {c.strip()!r} is not FIELD/FORMAT")
+        cols.append((field, fmt))
+    rows = _select(src.rows(name), _selection(selection))
+    if not rows:
+        raise ValueError(f"table:rows;{spec}: no row of {name}.jsonl matches")
+    src.used.setdefault(name, []).extend(rows)
+    header = [_HEADERS.get(f, f.replace("_", " ")) for f, _ in cols]
+    body = [["-" if r.get(f) is None else _format(_get(r, f, name), fmt) for f, fmt in cols]
+            for r in rows]  # fmt: skip
+    return _table(header, body)
+
+
+def _known(name: str) -> bool:
+    return name in TABLES or name.startswith(_ROWS)
+
+
 def render(name: str, root: Path = ROOT, doc: str = README) -> list[str]:
     """The lines of one table with its provenance, as they stand between its markers in the
     document ``doc`` (which the links are relative to)."""
     src = _Sources(root, doc)
-    lines = TABLES[name](src)
+    lines = _rows_table(name[len(_ROWS) :], src) if name.startswith(_ROWS) else TABLES[name](src)
     return [*lines, "", "Measured:", *_provenance(src)]
 
 
@@ -396,18 +482,20 @@ def _line_of(text: str, offset: int) -> int:
 
 
 def tables_in(text: str) -> list[str]:
-    """The names of the tables (of TABLES, in its order) that have a marker in ``text``."""
-    named = {m["name"] for m in _MARKER.finditer(text)}
-    return [name for name in TABLES if name in named]
+    """The names of the tables that have a marker in ``text``: those of TABLES in its order,
+    then the rows tables in the text's order."""
+    named = [m["name"] for m in _MARKER.finditer(text)]
+    rows = [n for n in dict.fromkeys(named) if n.startswith(_ROWS)]
+    return [name for name in TABLES if name in named] + rows
 
 
 def _unknown(text: str, doc: str) -> list[str]:
     """One message per marker in ``text`` that names no table of TABLES."""
     return [
         f"{doc} line {_line_of(text, m.start())}: {m[0]} names no table "
-        f"(the tables: {', '.join(TABLES)})"
+        f"(the tables: {', '.join(TABLES)}, or rows;FILE;SELECTION;COLUMNS)"
         for m in _MARKER.finditer(text)
-        if m["name"] not in TABLES
+        if not _known(m["name"])
     ]
 
 
@@ -454,8 +542,15 @@ def _placement(texts: dict[str, str]) -> list[str]:
 
 _FIG_OPEN = re.compile(r"<!-- fig:")
 _FIG = re.compile(r"<!-- fig:(?P<spec>[^\n]*?) -->(?P<text>[^\n]*?)<!-- /fig -->")
-_SUMMARY = re.compile(r"(?P<fn>median|each|diff_mean|diff_lo95|diff_hi95)\((?P<args>[^()]*)\)")
-_FORMATS: dict[str, Callable] = {"x": _x, "mib": _mib, "ms": _ms, "s": str}
+_SUMMARY = re.compile(r"(?P<fn>median|mean|each|diff_mean|diff_lo95|diff_hi95)\((?P<args>[^()]*)\)")
+_FORMATS: dict[str, Callable] = {
+    "x": _x,
+    "mib": _mib,
+    "ms": _ms,
+    "s": str,
+    "n": _mib,
+    "db": lambda v: "exact" if v == math.inf else f"{v:.1f} dB",
+}
 
 
 def _selection(text: str) -> dict[str, str]:
@@ -505,12 +600,14 @@ def figure(spec: str, src: _Sources) -> str:
     if not rows:
         raise ValueError(f"no row of {name}.jsonl matches {match}")
     fn, args = summary["fn"], [a.strip() for a in summary["args"].split(",")]
-    if fn in ("median", "each"):
+    if fn in ("median", "mean", "each"):
         if len(args) != 1:
             raise ValueError(f"{fn}() takes one field")
         values = [_get(r, args[0], name) for r in rows]
         if fn == "median":  # the finite values, as grad_fidelity.py summarizes them
             return _format(statistics.median(v for v in values if math.isfinite(v)), fmt)
+        if fn == "mean":
+            return _format(statistics.mean(values), fmt)
         texts = sorted({_format(v, fmt) for v in values})
         if len(texts) != 1:
             raise ValueError(f"each({args[0]}) differs across the {len(rows)} rows: {texts}")
@@ -635,7 +732,11 @@ def _check_tables(text: str, root: Path, doc: str = README) -> list[str]:
             problems.append(str(e))
             continue
         have = text[a:b].rstrip("\n").split("\n")
-        want = render(name, root, doc)
+        try:
+            want = render(name, root, doc)
+        except (ValueError, OSError) as e:  # a bad rows spec, a file that is not there
+            problems.append(f"{doc}: table '{name}': {e}")
+            continue
         for i, (h, w) in enumerate(zip_longest(have, want)):
             if h != w:
                 line = _line_of(text, a) + i

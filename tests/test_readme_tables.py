@@ -49,7 +49,8 @@ def test_every_table_has_its_markers_and_rows():
         for name in readme_tables.tables_in(text):
             a, b = readme_tables._span(text, name, doc)
             lines = text[a:b].splitlines()
-            assert lines[0].startswith("| model |"), (doc, name, lines[0])
+            first = "| " if name.startswith("rows;") else "| model |"
+            assert lines[0].startswith(first), (doc, name, lines[0])
             assert sum(line.startswith("| ") for line in lines) >= 3, name  # header and 2+ rows
 
 
@@ -299,3 +300,103 @@ def test_the_readme_test_line_counts_the_suite_as_it_is():
     assert found, proc.stdout[-2000:] + proc.stderr[-2000:]
     collected = int(found[1])
     assert abs(said - collected) <= 0.05 * collected, (said, collected)
+
+
+ROWS_SPEC = (
+    "rows;checkpoint_pareto_gpu_repeats;model=deit_base_patch16_224;label/s,peak_mib/mib,sqnr_db/db"
+)
+
+
+def test_a_rows_table_lists_the_selected_rows_in_file_order():
+    lines = readme_tables.render(ROWS_SPEC, ROOT, DOC)
+    assert lines[0] == "| row | peak MiB | gradient SQNR (median) |"
+    assert lines[2] == "| plain AMP | 9,746 | exact |"  # an infinite SQNR: the exact gradients
+    assert lines[3] == "| timm checkpointing | 2,932 | exact |"
+    assert lines[4] == "| int8 | 4,201 | 45.2 dB |"
+    assert (
+        len([line for line in lines if line.startswith("| ")]) == 1 + 7
+    )  # the header and DeiT-B's 7 points
+    assert lines[-1].startswith("- 2026-12-01, NVIDIA H200, torch 2.11.0+cu130")
+    assert "(../benchmarks/results/checkpoint_pareto_gpu_repeats.md)" in lines[-1]
+
+
+def test_results_doc_is_one_generated_section_per_benchmark():
+    """Issue 53: docs/RESULTS.md is current sections whose tables come from one file each."""
+    tables = readme_tables.tables_in(RESULTS_DOC)
+    rows = [t for t in tables if t.startswith("rows;")]
+    assert len(rows) >= 20, tables
+    assert {"budget", "compiled"} <= set(tables)
+    for heading in (
+        "## Coverage by model family",
+        "## DeiT training memory",
+        "## Eager speed",
+        "## CUDA-graphed training",
+        "## Kernel bandwidth",
+        "## Convolutional",
+        "## Language models",
+        "## Compressed checkpointing",
+        "## Accuracy",
+        "## Memory against accuracy",
+        "## Compiled",
+        "## Training within",
+    ):
+        assert heading in RESULTS_DOC, heading
+    # a section per benchmark, not a journal: no dated section headings, no notes of sessions
+    assert not re.search(r"^#+ .*20\d\d-\d\d-\d\d", RESULTS_DOC, re.M)
+    for word in ("session", "goal", "issue 40", "this machine"):
+        assert word not in RESULTS_DOC.lower(), word
+
+
+def test_an_altered_cell_of_a_rows_table_fails_naming_it():
+    cell = "| deit_small_patch16_224 | mesa | 2,390 |"
+    assert RESULTS_DOC.count(cell) == 1
+    problems = readme_tables.check(
+        RESULTS_DOC.replace(cell, cell.replace("2,390", "2,290")), doc=DOC
+    )
+    assert len(problems) == 1 and "table 'rows;deit_memory_gpu;" in problems[0], problems
+
+
+def test_a_bad_rows_spec_is_reported_naming_it():
+    for spec, why in (("rows;deit_memory_gpu;;peak_mib", "not FIELD/FORMAT"),
+                      ("rows;deit_memory_gpu;model=resnet50;peak_mib/mib", "no row"),
+                      ("rows;deit_memory_gpu;peak_mib/mib", "expected rows;FILE")):  # fmt: skip
+        text = f"Table:\n\n<!-- table:{spec} -->\n<!-- /table:{spec} -->\n"
+        problems = readme_tables.check(text, doc=DOC)
+        assert len(problems) == 1 and why in problems[0] and spec in problems[0], problems
+        with pytest.raises(ValueError, match=why):
+            readme_tables.update(text, doc=DOC)
+
+
+def test_a_csv_results_file_is_read_as_its_values():
+    """benchmarks/ablate.py writes CSV: numbers, booleans and text come back as JSON would."""
+    src = readme_tables._Sources(ROOT, DOC)
+    rows = src.rows("ablation_gpu")
+    assert rows[0]["bits"] == 8 and rows[0]["rounding"] == "nearest" and rows[0]["pareto"] is False
+    fig = readme_tables.figure
+    spec = "ablation_gpu:bits=4&group_size=128&rounding=nearest&layers=all:memory_reduction:x"
+    assert fig(spec, src) == "2.99x"
+    assert (
+        src.link("ablation_gpu") == "[`ablation_gpu.csv`](../benchmarks/results/ablation_gpu.csv)"
+    )
+    assert fig("text_accuracy_gpu:config=plain&step=1200:mean(heldout_loss):.4f", src) == "0.9982"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation but - and _ dropped,
+    spaces as -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_to_a_section_of_the_docs_reach_a_heading():
+    docs = {"README.md": README, DOC: RESULTS_DOC, readme_tables.GUIDE: GUIDE,
+            "docs/HISTORY.md": (ROOT / "docs/HISTORY.md").read_text()}  # fmt: skip
+    anchors = {doc: {_anchor(h) for h in re.findall(r"^#+ (.+)$", text, re.M)}
+               for doc, text in docs.items()}  # fmt: skip
+    checked = 0
+    for doc, text in docs.items():
+        for target, anchor in re.findall(r"\]\(([\w./]*\.md)?#([\w-]+)\)", text):
+            path = posixpath.normpath(posixpath.join(posixpath.dirname(doc), target or doc))
+            path = doc if not target else path
+            assert anchor in anchors[path], (doc, target, anchor)
+            checked += 1
+    assert checked >= 10
