@@ -1,7 +1,8 @@
 """Launch shapes of the quantize and dequantize kernels against the copy bandwidth (GPU only).
 
 For each tensor size, times the copy (``x.clone()``) and the group-quantization kernels at
-each (ROWS, num_warps) given, 8 and 4 bits, fp16 input, groups of 128 (the kernels alone:
+each (ROWS, num_warps) given, 8 and 4 bits (``--bits``), fp16 input, groups of 128, packed
+codes through lanes and through a reshaped tile (the kernels alone:
 codes and scales are allocated once, outside the timing). ``--timing queued`` (the default)
 queues the launches behind a spin kernel and takes the inputs in turn from copies that exceed
 the L2 cache, so a cell is the kernel's device time even where it is shorter than its launch
@@ -79,24 +80,24 @@ def _twins():
     return _TWINS
 
 
-def _quantize_launch(x, codes, scales, bits, rows, warps):
+def _quantize_launch(x, codes, scales, bits, rows, warps, lanes):
     n, g = x.numel(), 128
     ng = n // g
     qmin, qmax = gq.qrange(True, bits)
     pb = gq.per_byte(bits)
     return lambda: gq._quantize_kernel[((ng + rows - 1) // rows,)](
         x, codes, scales, x, x, n, ng, g, 1, 0, qmin, qmax, bits, pb, False, False, False,
-        True, not gq.INTERPRETING, rows, 128, num_warps=warps,
+        True, not gq.INTERPRETING, lanes, rows, 128, num_warps=warps,
     )  # fmt: skip
 
 
-def _dequantize_launch(codes, scales, out, bits, rows, warps):
+def _dequantize_launch(codes, scales, out, bits, rows, warps, lanes):
     n, g = out.numel(), 128
     ng = n // g
     qmin, _ = gq.qrange(True, bits)
     return lambda: gq._dequantize_kernel[((ng + rows - 1) // rows,)](
         codes, scales, out, out, out, n, ng, g, 1, qmin, bits, gq.per_byte(bits), False,
-        0, False, False, 0, False, rows, 128, num_warps=warps,
+        0, False, False, 0, False, lanes, rows, 128, num_warps=warps,
     )  # fmt: skip
 
 
@@ -123,17 +124,20 @@ def _launch_shapes(xs, scales, bits: int, configs, add) -> None:
     def dequantized() -> bool:
         return torch.equal(out, ref_out)
 
-    for rows, warps in configs:
-        add("quantize", bits, rows, warps,
-            [_quantize_launch(xi, codes, scales, bits, rows, warps) for xi in xs],
-            quantized)  # fmt: skip
-    for rows, warps in configs:
-        add("dequantize", bits, rows, warps,
-            [_dequantize_launch(c, ref_scales, out, bits, rows, warps) for c in code_copies],
-            dequantized)  # fmt: skip
+    # packed codes: through lanes (shipped, gq.PACKED_LANES) and through a reshaped tile
+    layouts = [(True, "lanes"), (False, "tile")] if bits < 8 else [(False, "-")]
+    for lanes, layout in layouts:
+        for rows, warps in configs:
+            add("quantize", bits, rows, warps,
+                [_quantize_launch(xi, codes, scales, bits, rows, warps, lanes) for xi in xs],
+                quantized, layout)  # fmt: skip
+        for rows, warps in configs:
+            add("dequantize", bits, rows, warps,
+                [_dequantize_launch(c, ref_scales, out, bits, rows, warps, lanes)
+                 for c in code_copies], dequantized, layout)  # fmt: skip
 
 
-def _measure(n: int, configs: list[tuple[int, int]], queued: bool) -> list[dict]:
+def _measure(n: int, configs: list[tuple[int, int]], queued: bool, bits_list=(8, 4)) -> list[dict]:
     x = torch.randn(n, device="cuda", dtype=torch.float16)
     xs = _copies(x) if queued else [x]
     ng = n // 128
@@ -146,17 +150,19 @@ def _measure(n: int, configs: list[tuple[int, int]], queued: bool) -> list[dict]
     copy_gbs = 4 * n / copy_ms / 1e6
     rows_out = []
 
-    def add(kernel, bits, rows, warps, fns, check=None):
+    def add(kernel, bits, rows, warps, fns, check=None, layout="-"):
         ms = time_ms(fns)
         moved = 2 * n + n * bits // 8 + ng * 4
-        rows_out.append({"elements": n, "kernel": kernel, "bits": bits, "rows": rows,
-                         "num_warps": warps, "ms": ms, "gbs": moved / ms / 1e6,
+        rows_out.append({"elements": n, "kernel": kernel, "bits": bits, "layout": layout,
+                         "rows": rows, "num_warps": warps, "ms": ms, "gbs": moved / ms / 1e6,
                          "copy_gbs": copy_gbs, "vs_copy": moved / ms / 1e6 / copy_gbs,
                          "exact": None if check is None else check(),
                          "timing": "queued" if queued else "single"})  # fmt: skip
 
-    for bits in (8, 4):
+    for bits in bits_list:
         _launch_shapes(xs, scales, bits, configs, add)
+    if 8 not in bits_list:
+        return rows_out
     codes = torch.empty(n, device="cuda", dtype=torch.int8)
     twin = _twins()
     for mul in (False, True):
@@ -184,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "from copies that exceed the L2 cache (the kernels' device time); single: "
                    "one call between two CUDA events, as the runs before 2026-12-05 (it counts "
                    "the host's launch wherever the kernel is shorter)")  # fmt: skip
+    p.add_argument("--bits", nargs="+", type=int, choices=[8, 4, 2], default=[8, 4],
+                   help="code widths (the twin kernels run with 8)")  # fmt: skip
     add_out_argument(p, "quant_tuning", "PREFIX.jsonl and PREFIX.md")
     return p
 
@@ -203,9 +211,10 @@ def run(argv=None) -> list[dict]:
     configs = [(r, w) for r in args.rows for w in args.warps]
     rows = []
     for n in progress(args.sizes, desc="sizes"):
-        rows += [dict(r, **env) for r in _measure(n, configs, args.timing == "queued")]
+        rows += [dict(r, **env) for r in _measure(n, configs, args.timing == "queued", args.bits)]
     cols = [("elements", "elements", ","), ("kernel", "kernel", "s"), ("bits", "bits", "d"),
-            ("rows", "ROWS", "d"), ("num_warps", "num_warps", "d"), ("ms", "ms", ".3f"),
+            ("layout", "packed layout", "s"), ("rows", "ROWS", "d"),
+            ("num_warps", "num_warps", "d"), ("ms", "ms", ".3f"),
             ("gbs", "GB/s", ".0f"), ("copy_gbs", "copy GB/s", ".0f"),
             ("vs_copy", "vs copy", ".0%"), ("exact", "equals the reference", "")]  # fmt: skip
     head = (

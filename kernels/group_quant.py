@@ -360,6 +360,63 @@ if HAS_TRITON:
             tl.store(codes_ptr + at, packed.to(tl.uint8), mask=bmask)
 
     @triton.jit
+    def _lane(x_ptr, mean_ptr, rstd_ptr, base, row_ok, b, j, group_size, n, row_len,
+              PER_BYTE: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
+        """Element ``j`` of each byte ``b`` of each row's group: offsets, mask and fp32
+        values of a [ROWS, BLOCK // PER_BYTE] tile (a load at a stride of PER_BYTE elements;
+        the lanes of a byte together read the group's contiguous span)."""
+        c = b * PER_BYTE + j
+        offs = base[:, None] + c[None, :]
+        mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
+        return offs, mask, _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
+
+    @triton.jit
+    def _lane_code(x, offs, mask, finite, pre, inv, seed, QMIN: tl.constexpr,
+                   QMAX: tl.constexpr, STOCHASTIC: tl.constexpr, POSITIVE: tl.constexpr,
+                   RN: tl.constexpr):  # fmt: skip
+        """A lane's stored codes (``code - qmin``, int32; 0 where masked)."""
+        q = _codes(x, finite, pre, inv, offs, seed, QMIN, QMAX, STOCHASTIC, POSITIVE, RN)
+        return tl.where(mask, (q - QMIN).to(tl.int32), 0)
+
+    @triton.jit
+    def _quantize_lanes(
+        x_ptr, codes_ptr, scales_ptr, mean_ptr, rstd_ptr, n, rows, base, row_ok, group_size,
+        row_len, seed, QMIN: tl.constexpr, QMAX: tl.constexpr, BITS: tl.constexpr,
+        PER_BYTE: tl.constexpr, STOCHASTIC: tl.constexpr, NORM: tl.constexpr,
+        POSITIVE: tl.constexpr, RN: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """Packed codes of groups of at most BLOCK elements, the tile loaded as PER_BYTE lanes
+        (element j of every byte at once): each byte is OR-ed together from its lanes in
+        registers, with no reshape of the tile (``_pack``'s split moves values between
+        threads). The same codes and scales as the contiguous path, bit for bit."""
+        b = tl.arange(0, BLOCK // PER_BYTE)
+        o0, m0, x0 = _lane(x_ptr, mean_ptr, rstd_ptr, base, row_ok, b, 0, group_size, n,
+                           row_len, PER_BYTE, NORM)  # fmt: skip
+        o1, m1, x1 = _lane(x_ptr, mean_ptr, rstd_ptr, base, row_ok, b, 1, group_size, n,
+                           row_len, PER_BYTE, NORM)  # fmt: skip
+        amax = tl.maximum(_absmax_bits(x0), _absmax_bits(x1))
+        if PER_BYTE == 4:
+            o2, m2, x2 = _lane(x_ptr, mean_ptr, rstd_ptr, base, row_ok, b, 2, group_size, n,
+                               row_len, PER_BYTE, NORM)  # fmt: skip
+            o3, m3, x3 = _lane(x_ptr, mean_ptr, rstd_ptr, base, row_ok, b, 3, group_size, n,
+                               row_len, PER_BYTE, NORM)  # fmt: skip
+            amax = tl.maximum(amax, tl.maximum(_absmax_bits(x2), _absmax_bits(x3)))
+        scale = _scale_of(amax, QMAX)
+        tl.store(scales_ptr + rows, scale, mask=row_ok)
+        finite, pre, inv = _inverse(scale)
+        packed = _lane_code(x0, o0, m0, finite, pre, inv, seed, QMIN, QMAX, STOCHASTIC,
+                            POSITIVE, RN)  # fmt: skip
+        packed |= _lane_code(x1, o1, m1, finite, pre, inv, seed, QMIN, QMAX, STOCHASTIC,
+                             POSITIVE, RN) << BITS  # fmt: skip
+        if PER_BYTE == 4:
+            packed |= _lane_code(x2, o2, m2, finite, pre, inv, seed, QMIN, QMAX, STOCHASTIC,
+                                 POSITIVE, RN) << (2 * BITS)  # fmt: skip
+            packed |= _lane_code(x3, o3, m3, finite, pre, inv, seed, QMIN, QMAX, STOCHASTIC,
+                                 POSITIVE, RN) << (3 * BITS)  # fmt: skip
+        at, bmask = _code_bytes(base, row_ok, 0, group_size, n, PER_BYTE, BLOCK // PER_BYTE)
+        tl.store(codes_ptr + at, packed.to(tl.uint8), mask=bmask)
+
+    @triton.jit
     def _quantize_kernel(
         x_ptr,  # (n,) fp32/fp16/bf16, contiguous
         codes_ptr,  # (n,) int8/uint8 at 8 bits; (ceil(n / PER_BYTE),) uint8 below
@@ -380,6 +437,7 @@ if HAS_TRITON:
         POSITIVE: tl.constexpr,  # code 0 exactly where x <= 0 (see _codes)
         ONE_PASS: tl.constexpr,  # group_size <= BLOCK: one load per element
         RN: tl.constexpr,  # compiled: explicit round-to-nearest multiply (see _codes)
+        LANES: tl.constexpr,  # packed codes, ONE_PASS: the tile as lanes (_quantize_lanes)
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -387,7 +445,13 @@ if HAS_TRITON:
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         row_ok = rows < n_groups
         base = rows.to(tl.int64) * group_size
-        if ONE_PASS:
+        if ONE_PASS and LANES and BITS < 8:
+            _quantize_lanes(
+                x_ptr, codes_ptr, scales_ptr, mean_ptr, rstd_ptr, n, rows, base, row_ok,
+                group_size, row_len, seed, QMIN, QMAX, BITS, PER_BYTE, STOCHASTIC, NORM,
+                POSITIVE, RN, ROWS, BLOCK,
+            )  # fmt: skip
+        elif ONE_PASS:
             cols = tl.arange(0, BLOCK)
             offs = base[:, None] + cols[None, :]
             mask = row_ok[:, None] & (cols[None, :] < group_size) & (offs < n)
@@ -457,6 +521,32 @@ if HAS_TRITON:
         return q * s
 
     @triton.jit
+    def _epilogue(v, offs, mask, p1_ptr, p2_ptr, row_len, EPI: tl.constexpr,
+                  HAS_P1: tl.constexpr, HAS_P2: tl.constexpr, MID: tl.constexpr,
+                  RN: tl.constexpr):  # fmt: skip
+        """The dequantize kernel's elementwise step on the fp32 products ``v`` of a tile of
+        element offsets (``dequantize``'s ``epilogue``; EPI 0: ``v`` itself)."""
+        if EPI == 1:  # v * weight[col] + bias[col], each rounded (two fp32 ops, as torch)
+            col = offs % row_len
+            if HAS_P1:
+                w = tl.load(p1_ptr + col, mask=mask, other=0.0).to(tl.float32)
+                v = mul_rn(v, w) if RN else v * w
+            if HAS_P2:
+                b = tl.load(p2_ptr + col, mask=mask, other=0.0).to(tl.float32)
+                v = add_rn(v, b) if RN else v + b
+        elif EPI == 2:  # v / rstd[row] + mean[row]; the mean where rstd is 0
+            r = offs // row_len
+            m = tl.load(p1_ptr + r, mask=mask, other=0.0).to(tl.float32)
+            rs = tl.load(p2_ptr + r, mask=mask, other=1.0).to(tl.float32)
+            v = tl.where(rs == 0.0, m, tl.math.div_rn(v, rs) + m)
+        elif EPI == 3 or EPI == 4:
+            v = gelu_fp32(round_to(v, MID), EPI == 4)
+        elif EPI >= 5:
+            dy = tl.load(p1_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            v = gelu_backward_fp32(round_to(v, MID), dy, EPI == 6)
+        return v
+
+    @triton.jit
     def _dequantize_kernel(
         codes_ptr,  # (n,) int8/uint8 at 8 bits; (ceil(n / PER_BYTE),) uint8 below
         scales_ptr,  # (n_groups,) fp32
@@ -477,6 +567,7 @@ if HAS_TRITON:
         HAS_P2: tl.constexpr,
         MID: tl.constexpr,  # GELU (backward): its input dtype, 0 fp32, 1 fp16, 2 bf16
         RN: tl.constexpr,  # compiled: explicit round-to-nearest ops, which are never fused
+        LANES: tl.constexpr,  # packed codes: written as lanes (element j of every byte)
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -485,38 +576,44 @@ if HAS_TRITON:
         row_ok = rows < n_groups
         base = rows.to(tl.int64) * group_size
         s = tl.load(scales_ptr + rows, mask=row_ok, other=0.0)[:, None]
-        cols = tl.arange(0, BLOCK)
-        for start in range(0, group_size, BLOCK):
-            c = start + cols
-            offs = base[:, None] + c[None, :]
-            mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
-            if BITS == 8:
-                v = dequantize_tile(codes_ptr, offs, mask, s, QMIN, BITS, PER_BYTE)
-            else:  # each byte loaded once, unpacked in registers
+        if BITS < 8 and LANES:
+            # each byte loaded once; lane j writes element j of every byte, so no reshape
+            # of the tile (``_unpack``'s join moves values between threads)
+            b = tl.arange(0, BLOCK // PER_BYTE)
+            for start in range(0, group_size, BLOCK):
                 at, bmask = _code_bytes(base, row_ok, start, group_size, n, PER_BYTE,
                                         BLOCK // PER_BYTE)  # fmt: skip
                 byte = tl.load(codes_ptr + at, mask=bmask, other=0).to(tl.int32)
-                q = _unpack(byte, ROWS, BLOCK, BITS, PER_BYTE) + QMIN
-                v = q.to(tl.float32) * s
-            if EPI == 1:  # v * weight[col] + bias[col], each rounded (two fp32 ops, as torch)
-                col = offs % row_len
-                if HAS_P1:
-                    w = tl.load(p1_ptr + col, mask=mask, other=0.0).to(tl.float32)
-                    v = mul_rn(v, w) if RN else v * w
-                if HAS_P2:
-                    b = tl.load(p2_ptr + col, mask=mask, other=0.0).to(tl.float32)
-                    v = add_rn(v, b) if RN else v + b
-            elif EPI == 2:  # v / rstd[row] + mean[row]; the mean where rstd is 0
-                r = offs // row_len
-                m = tl.load(p1_ptr + r, mask=mask, other=0.0).to(tl.float32)
-                rs = tl.load(p2_ptr + r, mask=mask, other=1.0).to(tl.float32)
-                v = tl.where(rs == 0.0, m, tl.math.div_rn(v, rs) + m)
-            elif EPI == 3 or EPI == 4:
-                v = gelu_fp32(round_to(v, MID), EPI == 4)
-            elif EPI >= 5:
-                dy = tl.load(p1_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-                v = gelu_backward_fp32(round_to(v, MID), dy, EPI == 6)
-            store_as(out_ptr, offs, v, mask, OUT_BF16)
+                for j in tl.static_range(PER_BYTE):
+                    c = start + b * PER_BYTE + j
+                    offs = base[:, None] + c[None, :]
+                    mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
+                    q = ((byte >> (j * BITS)) & ((1 << BITS) - 1)) + QMIN
+                    v = _epilogue(q.to(tl.float32) * s, offs, mask, p1_ptr, p2_ptr, row_len,
+                                  EPI, HAS_P1, HAS_P2, MID, RN)  # fmt: skip
+                    store_as(out_ptr, offs, v, mask, OUT_BF16)
+        else:
+            cols = tl.arange(0, BLOCK)
+            for start in range(0, group_size, BLOCK):
+                c = start + cols
+                offs = base[:, None] + c[None, :]
+                mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
+                if BITS == 8:
+                    v = dequantize_tile(codes_ptr, offs, mask, s, QMIN, BITS, PER_BYTE)
+                else:  # each byte loaded once, unpacked in registers
+                    at, bmask = _code_bytes(base, row_ok, start, group_size, n, PER_BYTE,
+                                            BLOCK // PER_BYTE)  # fmt: skip
+                    byte = tl.load(codes_ptr + at, mask=bmask, other=0).to(tl.int32)
+                    q = _unpack(byte, ROWS, BLOCK, BITS, PER_BYTE) + QMIN
+                    v = q.to(tl.float32) * s
+                v = _epilogue(v, offs, mask, p1_ptr, p2_ptr, row_len, EPI, HAS_P1, HAS_P2,
+                              MID, RN)  # fmt: skip
+                store_as(out_ptr, offs, v, mask, OUT_BF16)
+
+
+# Packed (4- and 2-bit) codes through lanes (``_quantize_lanes``; the dequantize kernel's
+# LANES branch) rather than a reshape of the tile; both give the same bytes and values.
+PACKED_LANES = True
 
 
 @functools.lru_cache(maxsize=64)
@@ -603,7 +700,7 @@ def _quantize_plan(dtype, group_size, bits, positive, signed, normalized, stocha
     rows, block = _launch_shape(group_size, bits)
     qmin, qmax = qrange(signed, bits)
     tail = (qmin, qmax, bits, per_byte(bits), stochastic, normalized, positive,
-            group_size <= block, not INTERPRETING, rows, block)  # fmt: skip
+            group_size <= block, not INTERPRETING, PACKED_LANES, rows, block)  # fmt: skip
     launcher = _QUANTIZE if bits == 8 else _QUANTIZE_PACKED
     return _code_dtype(signed, bits), launcher, rows, tail
 
@@ -617,7 +714,7 @@ def _dequantize_plan(codes_dtype, scales_dtype, dtype, group_size, bits, signed)
         return None, 1, 0, ()
     rows, block = _launch_shape(group_size, bits)
     launcher = _DEQUANTIZE if bits == 8 else _DEQUANTIZE_PACKED
-    return launcher, rows, qrange(signed, bits)[0], (not INTERPRETING, rows, block)
+    return launcher, rows, qrange(signed, bits)[0], (not INTERPRETING, PACKED_LANES, rows, block)
 
 
 def quantize(

@@ -60,6 +60,11 @@ EXHAUSTIVE: dict[str, object] = {
         "cpu-signed-reference-4",
     },
     "tests/kernels/test_group_quant.py::test_kernel_matches_reference_nearest": ("every", 4),
+    # the lane layout of packed codes against the reshaped tile: one 4-bit and one 2-bit case
+    "tests/kernels/test_group_quant.py::test_packed_lanes_give_the_bytes_and_values_of_the_reshaped_tile": {
+        "torch.float16-4-6",
+        "torch.bfloat16-2-2048",
+    },
     "tests/test_composition.py::test_triples": ("every", 4),
     "tests/test_layouts.py::test_forward_is_torch_s_for_every_layout": ("every", 3),
     "tests/test_wrap.py::test_first_wrap_prints_one_line_each": {"unconfigured", "configured"},

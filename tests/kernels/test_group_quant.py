@@ -368,3 +368,65 @@ def test_cuda_default_path_is_triton_and_exact():
     assert_equal(scales.cpu(), rscales, "scales")
     cuda_ref = gq.quantize_ref(x, 128)  # the reference on CUDA agrees too
     assert_equal(cuda_ref[0].cpu(), rcodes, "codes (reference on CUDA)")
+
+
+@pytest.fixture
+def packed_layout():
+    """Sets ``gq.PACKED_LANES`` (packed codes through lanes, or through a reshape of the
+    tile) for the test, the launch plans rebuilt; restored afterwards."""
+    saved = gq.PACKED_LANES
+
+    def use(lanes: bool) -> None:
+        gq.PACKED_LANES = lanes
+        gq._quantize_plan.cache_clear()
+        gq._dequantize_plan.cache_clear()
+
+    yield use
+    use(saved)
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 6), (4, 128), (4, 1000), (2, 12), (2, 2048)],
+                         ids=str)  # fmt: skip
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_packed_lanes_give_the_bytes_and_values_of_the_reshaped_tile(
+    bits, group_size, dtype, packed_layout, triton_device
+):
+    """Issue 51: the 4- and 2-bit kernels read and write packed codes as lanes (element j of
+    every byte); the codes, scales and rebuilt values are those of the tile-reshaping path,
+    bit for bit, with every option and epilogue, at sizes that end mid-group and mid-byte."""
+    g = torch.Generator().manual_seed(3)
+    rows, width = 5, 2 * group_size + 3 * (8 // bits)
+    x = (torch.randn(rows, width, generator=g) * 3).to(dtype).to(triton_device)
+    x.view(-1)[7] = float("nan") if group_size > 6 else x.view(-1)[7]
+    n = x.numel() - 1  # an odd count: the last byte is half empty at 4 bits
+    x = x.view(-1)[:n]
+    mean = torch.randn(rows * width, generator=g)[:n].to(triton_device) * 0 + 0.25
+    stats = (mean[:1].expand(1).contiguous(), torch.full((1,), 2.0, device=triton_device))
+    weight = torch.randn(n, generator=g).to(triton_device)[:n]
+    grad = torch.randn(n, generator=g).to(dtype).to(triton_device)
+    cases = [dict(), dict(signed=False), dict(stochastic=True), dict(normalize=stats)]
+    if bits == 4:
+        cases.append(dict(signed=False, positive=True))
+    epilogues = [None, ("affine", weight, None), ("unnormalize", *stats),
+                 ("gelu", "tanh", dtype), ("gelu_backward", "none", grad)]  # fmt: skip
+    for kwargs in cases:
+        results = []
+        state = gq.rounding_state()
+        for lanes in (True, False):
+            packed_layout(lanes)
+            gq.set_rounding_state(state)  # the same stochastic-rounding seed in both
+            codes, scales = gq.quantize(x, group_size, use_triton=True, bits=bits, **kwargs)
+            signed = kwargs.get("signed", True)
+            outs = [gq.dequantize(codes, scales, group_size, dtype, use_triton=True, bits=bits,
+                                  signed=signed, numel=n, epilogue=e) for e in epilogues]  # fmt: skip
+            results.append((codes, scales, outs))
+        (c1, s1, o1), (c0, s0, o0) = results
+        assert_equal(c1.cpu(), c0.cpu(), f"codes {kwargs}")
+        assert_equal(s1.cpu(), s0.cpu(), f"scales {kwargs}")
+        for e, a, b in zip(epilogues, o1, o0, strict=True):
+            assert_equal(a.cpu(), b.cpu(), f"dequantized {kwargs} {e and e[0]}")
+        if not kwargs.get("stochastic"):
+            rc, rs = gq.quantize_ref(x.cpu(), group_size, bits=bits,
+                                     **{k: (tuple(t.cpu() for t in v) if k == "normalize" else v)
+                                        for k, v in kwargs.items()})  # fmt: skip
+            assert_equal(c1.cpu(), rc, f"codes against the reference {kwargs}")
