@@ -188,6 +188,10 @@ class Config:
             LayerNorms and RMSNorms are wrapped (their fp32 inputs are the largest tensors a
             transformer block keeps; the rest stays exact and fast); ``"compressed"``: every
             layer is wrapped as everywhere else.
+        keep_logits: Hugging Face causal LMs (GPT-2, Llama, Mistral, Qwen2) compute their
+            head and loss as one Function in a training forward with ``labels``, the logits
+            never built (``outputs.logits`` is None then); True builds and returns them, with
+            the chunked loss.
     """
 
     bits: int = 8
@@ -200,6 +204,7 @@ class Config:
     checkpoint_every: int = 1
     checkpoint_bits: int | str | None = None
     checkpoint_inner: str = "norms"
+    keep_logits: bool = False
 
     def __post_init__(self) -> None:
         _check_bits(self.bits)
@@ -248,6 +253,8 @@ class Config:
         object.__setattr__(self, "overrides", FrozenMap(frozen))
         if not isinstance(self.debug_exact, bool):
             raise TypeError(f"debug_exact must be a bool, got {type(self.debug_exact).__name__}")
+        if not isinstance(self.keep_logits, bool):
+            raise TypeError(f"keep_logits must be a bool, got {type(self.keep_logits).__name__}")
         self._check_checkpoint()
 
     def _check_checkpoint(self) -> None:

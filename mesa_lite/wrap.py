@@ -471,7 +471,7 @@ def _wrap(model, config, filter_fn):
     by_proof, not_fused = _fuse_blocks(model)
     _ckpt.apply(units, config.checkpoint_spec(), model)
     hf = _INTEGRATIONS.get("transformers")
-    losses, losses_exact = hf.after_wrap(model, config, user_filter) if hf else ([], 0)
+    losses, losses_exact, heads = hf.after_wrap(model, config, user_filter) if hf else ([], 0, [])
     for spec in losses:
         converted["loss"] += 1
         specs[spec.describe()] += 1
@@ -480,6 +480,8 @@ def _wrap(model, config, filter_fn):
     line = _summary(
         type(model).__name__, converted, specs, exact, skipped, built, (before, changed, back)
     )
+    if heads:
+        line += "; the loss " + ", ".join(heads)
     if by_proof:
         line += "; fused by proof " + ", ".join(f"{t} x{c}" for t, c in by_proof.most_common())
     if not_fused:

@@ -8,6 +8,9 @@ autocast: no low-precision copy of a parameter crosses (the parameter itself is 
 and the chunked loss's compiled backward writes no slices into a buffer of the logits' size.
 """
 
+import math
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -153,7 +156,8 @@ def test_inductor_writes_no_fp32_logits_in_the_loss_backward():
                                   vocab_size=vocab, attn_pdrop=0.0, resid_pdrop=0.0,
                                   embd_pdrop=0.0, loss_type="ForCausalLM")  # fmt: skip
     torch.manual_seed(0)
-    model = mesa_lite.wrap(transformers.GPT2LMHeadModel(cfg).train())
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    model = mesa_lite.wrap(model, mesa_lite.Config(keep_logits=True))
     compiled = mesa_lite.compile(model, backend="inductor")
     ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
 
@@ -167,6 +171,40 @@ def test_inductor_writes_no_fp32_logits_in_the_loss_backward():
     buffers = [line.strip() for code in codes for line in code.splitlines()
                if "empty_strided" in line and any(z in line for z in sizes)]  # fmt: skip
     assert buffers and not [b for b in buffers if "float32" in b], buffers
+
+
+def test_inductor_builds_no_logits_with_the_head_and_loss_fused(monkeypatch):
+    """The head and loss fused (the default, issue 52): Inductor's generated forward and
+    backward of a wrapped GPT-2 hold no buffer of all the tokens x vocab, only one chunk's
+    (128 tokens here; the plain model's 512 x 32768 logits are 32 MiB in bf16)."""
+    transformers = pytest.importorskip("transformers")
+    from torch._inductor.utils import run_and_get_code
+
+    from mesa_lite.ops import linear_cross_entropy as lce
+
+    torch._dynamo.reset()
+    batch, seq, vocab, chunk = 4, 128, 32768, 128
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", chunk * vocab)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, n_positions=seq,
+                                  vocab_size=vocab, attn_pdrop=0.0, resid_pdrop=0.0,
+                                  embd_pdrop=0.0, loss_type="ForCausalLM")  # fmt: skip
+    torch.manual_seed(0)
+    model = mesa_lite.wrap(transformers.GPT2LMHeadModel(cfg).train())
+    compiled = mesa_lite.compile(model, backend="inductor")
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        with torch.autocast("cpu", torch.bfloat16):
+            out = compiled(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out
+
+    out, codes = run_and_get_code(step)
+    assert out.logits is None
+    shapes = [[int(d) for d in m.split(",") if d.strip()] for code in codes
+              for m in re.findall(r"empty_strided_cpu\(\(([\d, ]*)\)", code)]  # fmt: skip
+    rows = [math.prod(s[:-1]) for s in shapes if s and s[-1] == vocab]
+    assert rows and max(rows) <= chunk, rows
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -242,6 +242,47 @@ def _fsdp_checks(rank, world) -> dict:
     return res
 
 
+def _fsdp_lm_checks(rank, world) -> dict:
+    """A tiny Llama under FSDP2 (a unit per decoder layer and the root, bf16 parameters),
+    plain and wrapped: the head and loss fused (logits None) with the lm_head in the root's
+    unit; built as usual where the lm_head is a unit of its own (its gathered weight is freed
+    after its forward). Loss and gradients against plain FSDP2's."""
+    try:
+        import transformers as tf
+    except ImportError:
+        return {"fsdp-lm-skipped": "transformers is not installed"}
+    from conftest import tiny_lm_config
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    tf.logging.set_verbosity_error()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 256, (2 * world, 16), generator=g)[2 * rank : 2 * rank + 2]
+    torch.manual_seed(0)
+    base = tf.LlamaForCausalLM._from_config(tiny_lm_config("llama"), attn_implementation="sdpa")
+    runs = {}
+    for mode in ("plain", "fused", "head-apart"):
+        model = copy.deepcopy(base).train()
+        if mode != "plain":
+            mesa_lite.wrap(model)
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        if mode == "head-apart":
+            fully_shard(model.lm_head, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        runs[mode] = (out.loss.detach(), out.logits is None, _grads(model))
+    loss0, _, g0 = runs["plain"]
+    res = {}
+    for mode in ("fused", "head-apart"):
+        loss, no_logits, grads = runs[mode]
+        res[f"fsdp-lm-{mode}-no-logits"] = no_logits
+        res[f"fsdp-lm-{mode}-loss-close"] = torch.allclose(loss, loss0, rtol=1e-3, atol=0)
+        res[f"fsdp-lm-{mode}-worst-db"] = min(sqnr_db(g0[n], grads[n]) for n in g0)
+    return res
+
+
 def _train_deit_checks(tmp: str) -> dict:
     """benchmarks/train_deit.py --dist ddp and fsdp in this process group (as under torchrun):
     a few steps, a checkpoint, and an FSDP2 resume from its torch.distributed.checkpoint."""
@@ -302,6 +343,7 @@ def _worker(rank, world, port, out):
         except (ImportError, RuntimeError, NotImplementedError) as e:  # no FSDP2 on CPU here
             res["fsdp-skipped"] = f"{type(e).__name__}: {e}"
         if "fsdp-skipped" not in res:
+            res.update(_fsdp_lm_checks(rank, world))
             res.update(_train_deit_checks(os.path.dirname(out)))
         torch.save(res, f"{out}.{rank}")
         dist.barrier()  # both ranks' results are written
@@ -371,6 +413,20 @@ def test_fsdp2(results):
         # of the parameters would be 111 KB here (measured: 22 and 28 bytes more, scalars)
         assert r["fsdp-exact-live-extra-bytes"] < 1024, r["fsdp-exact-live-extra-bytes"]
         assert r["fsdp-int8-live-extra-bytes"] < 1024, r["fsdp-int8-live-extra-bytes"]
+
+
+def test_fsdp2_language_model_with_the_head_and_loss_fused(results):
+    """Issue 52: the fused head and loss under FSDP2, the lm_head in the root's unit; and the
+    logits built as usual where the lm_head is sharded as a unit of its own."""
+    res = results[0]
+    if "fsdp-skipped" in res or "fsdp-lm-skipped" in res:
+        pytest.skip(res.get("fsdp-skipped") or res["fsdp-lm-skipped"])
+    for r in results:
+        assert r["fsdp-lm-fused-no-logits"] and not r["fsdp-lm-head-apart-no-logits"]
+        for mode in ("fused", "head-apart"):
+            assert r[f"fsdp-lm-{mode}-loss-close"], mode
+            assert FLOOR_DB <= r[f"fsdp-lm-{mode}-worst-db"] < math.inf, (
+                mode, r[f"fsdp-lm-{mode}-worst-db"])  # fmt: skip
 
 
 def test_train_deit_under_ddp_and_fsdp2(results):

@@ -35,10 +35,11 @@ from mesa_lite import recognize
 from mesa_lite.config import QuantSpec
 from mesa_lite.modules import GELU_FORMS, Activation, MesaModule, SiLU
 from mesa_lite.ops.attention import scaled_dot_product_attention
-from mesa_lite.ops.common import needs_grad
+from mesa_lite.ops.common import in_functorch_transform, needs_grad
 from mesa_lite.ops.cross_entropy import cross_entropy
 from mesa_lite.ops.dropout import dropout
 from mesa_lite.ops.linear import addmm, addmm_forward
+from mesa_lite.ops.linear_cross_entropy import linear_cross_entropy
 from mesa_lite.ops.matmul import matmul
 from mesa_lite.ops.softmax import softmax
 from mesa_lite.recognize import GatedMlp, Mlp  # noqa: F401 - their home before the core had them
@@ -229,18 +230,26 @@ def _route_sdpa() -> bool:
 # ---- the causal-LM loss ---------------------------------------------------------------------
 
 
+def _shifted(labels, shift_labels, rows: torch.Size, ignore_index: int, device):
+    """transformers' causal-LM labels for positions of shape ``rows``: each position's next
+    token, ``ignore_index`` after the last (or the ``shift_labels`` given)."""
+    if shift_labels is None:
+        if not isinstance(labels, torch.Tensor):
+            raise TypeError(f"labels must be a tensor of token ids, got {type(labels).__name__}")
+        labels = F.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
+    if shift_labels.shape != rows and shift_labels.numel() == rows.numel():
+        shift_labels = shift_labels.reshape(rows)  # flattened, as transformers' loss takes them
+    return shift_labels.to(device)
+
+
 def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None,
                    ignore_index: int = -100, shift_labels=None, **kwargs):  # fmt: skip
     """transformers' ``ForCausalLMLoss`` through a chunked cross-entropy: the same shift and
     reduction, without the fp32 copy of the logits and its log-softmax kept for backward.
     Equal to transformers' loss within fp32 rounding (the sum runs chunk by chunk)."""
-    if shift_labels is None:
-        labels = F.pad(labels, (0, 1), value=ignore_index)
-        shift_labels = labels[..., 1:].contiguous()
     rows = logits.shape[:-1]
-    if shift_labels.shape != rows and shift_labels.numel() == rows.numel():
-        shift_labels = shift_labels.reshape(rows)  # flattened, as transformers' loss takes them
-    shift_labels = shift_labels.to(logits.device)
+    shift_labels = _shifted(labels, shift_labels, rows, ignore_index, logits.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
     # the logits in their own shape (see ChunkedCrossEntropyFn); rows x vocab for the plain op
     loss = cross_entropy(logits, shift_labels, ignore_index, reduction, rows=True)
@@ -254,21 +263,126 @@ def causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None,
 class _CausalLMLoss:
     """The ``loss_function`` ``wrap`` gives a causal LM (picklable; ``unwrap`` removes it): the
     chunked loss in training, transformers' own in eval mode (``track``, a forward pre-hook on
-    the model, records which), where every wrapped layer runs plain too."""
+    the model, records which), where every wrapped layer runs plain too.
 
-    def __init__(self, spec: QuantSpec) -> None:
+    With a ``head`` (the model's ``lm_head``, a mesa_lite Linear, on a model whose forward
+    hands the head's output straight to its loss: ``FUSED_HEAD_MODELS``), a training forward
+    with ``labels`` and grad enabled runs the head and the loss as one Function
+    (``linear_cross_entropy``): ``track`` arms the head, whose forward then returns an empty
+    placeholder of shape ``(..., 0)`` instead of the logits (``defer``), the loss computes
+    from the head's input, and ``end`` (a forward hook) returns the output with ``logits``
+    None. ``Config(keep_logits=True)`` gives no head: the logits are built and returned."""
+
+    def __init__(self, spec: QuantSpec, head: nn.Module | None = None) -> None:
         self.mesa_spec = spec  # None: transformers' own loss (report.plain_model sets it)
         self.training = True
+        self.head = head
+        self.armed = False
+        self.pending: tuple | None = None  # the head's input, weight and bias, deferred
 
-    def track(self, module, args) -> None:
+    def __getstate__(self) -> dict:  # a copy holds no tensors of a forward in flight
+        return {**self.__dict__, "armed": False, "pending": None}
+
+    def track(self, module, args, kwargs) -> None:
         self.training = module.training
+        self.pending = None
+        self.armed = (
+            self.head is not None and self.mesa_spec is not None and module.training
+            and torch.is_grad_enabled() and kwargs.get("labels") is not None
+            and not in_functorch_transform()  # inside torch.func every layer runs plain
+            and not _sharded_apart(self.head)
+        )  # fmt: skip
+
+    def defer(self, x, weight, bias) -> torch.Tensor:
+        """The armed head's forward: keeps its input, returns the placeholder."""
+        self.armed = False  # one deferral a forward
+        self.pending = (x, weight, bias)
+        return x.new_empty((*x.shape[:-1], 0))
+
+    def end(self, module, args, kwargs, output):
+        self.armed = False
+        if self.pending is None:
+            return None
+        self.pending = None  # the head ran deferred but no loss took it: no logits either
+        return _without_logits(output)
 
     def __call__(self, logits, labels, vocab_size: int, **kwargs):
+        if self.pending is not None and logits.shape[-1] == 0:
+            x, weight, bias = self.pending
+            self.pending = ()  # taken: ``end`` still drops the placeholder
+            return self._fused(x, weight, bias, labels, vocab_size, **kwargs)
+        if self.pending:
+            raise RuntimeError(
+                f"mesa_lite: the loss of {type(self.head).__name__} got logits the head did not "
+                "return; this model's forward changes its logits before the loss, which the "
+                "fused head and loss cannot follow: wrap it with "
+                "mesa_lite.Config(keep_logits=True)"
+            )
         if not self.training or self.mesa_spec is None:
             from transformers.loss.loss_utils import ForCausalLMLoss
 
             return ForCausalLMLoss(logits, labels, vocab_size, **kwargs)
         return causal_lm_loss(logits, labels, vocab_size, **kwargs)
+
+    @staticmethod
+    def _fused(x, weight, bias, labels, vocab_size: int, num_items_in_batch=None,
+               ignore_index: int = -100, shift_labels=None, **kwargs):  # fmt: skip
+        if vocab_size != weight.shape[0]:
+            raise ValueError(
+                f"mesa_lite: the language-model head has {weight.shape[0]} outputs but the "
+                f"loss was given vocab_size={vocab_size}"
+            )
+        shift_labels = _shifted(labels, shift_labels, x.shape[:-1], ignore_index, x.device)
+        return linear_cross_entropy(x, weight, bias, shift_labels, ignore_index,
+                                    num_items_in_batch)  # fmt: skip
+
+
+def _sharded_apart(head: nn.Module) -> bool:
+    """An lm_head that FSDP2 shards as a unit of its own: its gathered weight is freed when
+    its forward returns, before the loss would read it; it then builds its logits."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(head, FSDPModule)
+
+
+def _without_logits(output):
+    """A causal LM's output with ``logits`` None: a new ``ModelOutput`` of the same class
+    without them, or the tuple with None in their place."""
+    if isinstance(output, tuple):
+        return output[:1] + (None,) + output[2:] if len(output) > 1 else output
+    fields = {k: v for k, v in output.items() if k != "logits"}
+    return type(output)(**fields)
+
+
+# causal LMs whose forward hands ``lm_head``'s output to ``loss_function`` unchanged
+# (checked in their source: transformers 5.17 and 5.25), so the head may run deferred
+FUSED_HEAD_MODELS = ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM",
+                     "Qwen2ForCausalLM")  # fmt: skip
+
+
+def fused_head(module: nn.Module) -> tuple[nn.Module | None, str | None]:
+    """``(lm_head, None)`` when ``module``'s head and loss can run as one Function, else
+    ``(None, why not)``."""
+    from mesa_lite.modules import Linear
+
+    cls = type(module)
+    names = [c.__name__ for c in cls.__mro__]
+    checked = next((i for i, n in enumerate(names) if n in FUSED_HEAD_MODELS), None)
+    if checked is None or not cls.__mro__[checked].__module__.startswith("transformers.models."):
+        return None, f"{cls.__name__}'s forward is not one mesa_lite has checked"
+    if any("forward" in c.__dict__ for c in cls.__mro__[:checked]):  # a subclass's own
+        return None, f"{cls.__name__} has a forward of its own"
+    if "forward" in module.__dict__:
+        return None, "its forward is set on the instance"
+    head = getattr(module, "lm_head", None)
+    get = getattr(module, "get_output_embeddings", None)
+    if head is None or get is None or get() is not head:
+        return None, "its lm_head is not its output embeddings"
+    if not isinstance(head, Linear):
+        return None, f"its lm_head is a {type(head).__name__}, not a wrapped Linear"
+    return head, None
 
 
 def _causal_lm(module: nn.Module) -> bool:
@@ -353,13 +467,14 @@ def _inline_loss_head(module: nn.Module) -> bool:
 
 def after_wrap(model: nn.Module, config, filter_fn=None) -> tuple[list, int]:
     """Sets the chunked loss on the language models in ``model`` (the ``loss_function`` of
-    causal LMs, a ``_LossOps`` over the forward of masked LMs) that ``config`` and
-    ``filter_fn`` leave to compress; returns their specs and how many losses ``config`` or
-    ``filter_fn`` left exact."""
+    causal LMs, fused with their head where ``fused_head`` allows; a ``_LossOps`` over the
+    forward of masked LMs) that ``config`` and ``filter_fn`` leave to compress; returns their
+    specs, how many losses ``config`` or ``filter_fn`` left exact, and a note per causal LM on
+    its head for wrap's line."""
     after_unwrap(model)
     if any(isinstance(m, HFAttention) for m in model.modules()):
         _route_sdpa()  # now, not at the first forward: that may be under torch.compile
-    specs, exact = [], 0
+    specs, exact, notes = [], 0, []
     for name, module in model.named_modules():
         causal = _causal_lm(module)
         if not (causal or _inline_loss_head(module)):
@@ -371,9 +486,18 @@ def after_wrap(model: nn.Module, config, filter_fn=None) -> tuple[list, int]:
         if spec.exact:  # the chunked sum is not bit for bit: debug_exact keeps transformers'
             continue
         if causal:
-            loss = _CausalLMLoss(spec)
+            head, why = (None, None) if config.keep_logits else fused_head(module)
+            loss = _CausalLMLoss(spec, head)
             module._loss_function = loss
-            module.__dict__["_mesa_loss_hooks"] = (module.register_forward_pre_hook(loss.track),)
+            module.__dict__["_mesa_loss_hooks"] = (
+                module.register_forward_pre_hook(loss.track, with_kwargs=True),
+                module.register_forward_hook(loss.end, with_kwargs=True, always_call=True),
+            )
+            if head is not None:
+                head.__dict__["_mesa_head"] = loss
+                notes.append("fused with its head (logits None in training with labels)")
+            elif why is not None:
+                notes.append(f"not fused with its head ({why})")
         else:
             head = module.get_output_embeddings()
             if head is None:
@@ -386,12 +510,13 @@ def after_wrap(model: nn.Module, config, filter_fn=None) -> tuple[list, int]:
             )
         module.__dict__["_mesa_loss"] = loss  # report.plain_model turns it off by its spec
         specs.append(spec)
-    return specs, exact
+    return specs, exact, notes
 
 
 def after_unwrap(model: nn.Module) -> None:
     """Removes what ``after_wrap`` set."""
     for module in model.modules():
+        module.__dict__.pop("_mesa_head", None)
         if isinstance(module.__dict__.get("_loss_function"), _CausalLMLoss):
             del module.__dict__["_loss_function"]
         for handle in module.__dict__.pop("_mesa_loss_hooks", ()):

@@ -1,0 +1,121 @@
+"""A language model's head and its cross-entropy in one Function, the logits never built whole.
+
+``LinearCrossEntropyFn`` takes the head's input ``x`` (rows x hidden), its weight and bias and
+the labels, and works through the rows a chunk at a time: each chunk's logits (``x @ W^T + b``
+in autocast's dtype, as the head computes them), their cross-entropy in fp32 (as
+transformers' causal-LM loss upcasts them), and at once their gradient, the softmax minus the
+one-hot labels, in the logits' dtype, multiplied back into the gradients of ``x``, the weight
+and the bias. Forward keeps those three gradients and nothing else (the approach of
+Liger-Kernel's fused linear cross-entropy); backward scales them by the loss's gradient. No
+tensor of rows x vocab exists outside one chunk, forward or backward.
+
+The loss equals transformers' within fp32 rounding (each chunk's ``F.cross_entropy`` is the
+plain op on that chunk's fp32 logits; the chunks' sums add up in fp32). The gradients are
+those of the plain head and loss computed chunk by chunk: the weight's and bias's are summed
+over the chunks in fp32 where the plain backward sums all rows in one low-precision matrix
+product, so they differ from plain's by that rounding, not more. No host synchronization:
+the number of labels that count (the mean's denominator) stays a tensor, so the Function
+traces into one graph under torch.compile.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mesa_lite.ops.common import autocast_cast, autocast_dtype, first_order_only
+
+# rows per chunk: about this many fp32 elements of logits at a time (64 MiB)
+CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunks(n: int, vocab: int):
+    rows = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    for start in range(0, n, rows):
+        yield start, min(n, start + rows)
+
+
+class LinearCrossEntropyFn(torch.autograd.Function):
+    """``F.cross_entropy(F.linear(x, weight, bias).float(), labels, ignore_index=...,
+    reduction="sum")`` for 2-D ``x`` (rows x hidden) and 1-D integer ``labels``, the linear
+    in ``dtype`` (autocast's cast target; None: no cast). Returns the fp32 sum."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, labels, ignore_index: int, dtype):
+        xc = autocast_cast(x, dtype)
+        w, b = autocast_cast(weight, dtype), autocast_cast(bias, dtype)
+        n, vocab = xc.shape[0], w.shape[0]
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        need_b = need_b and bias is not None
+        gx = torch.empty_like(xc) if need_x else None
+        gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+        gb = torch.zeros(vocab, dtype=torch.float32, device=w.device) if need_b else None
+        total = None
+        with torch.autocast(xc.device.type, enabled=False):  # cast above, as autocast would
+            for start, end in _chunks(n, vocab):
+                h, t = xc[start:end], labels[start:end]
+                logits = F.linear(h, w, b)
+                z = logits.float()
+                part = F.cross_entropy(z, t, ignore_index=ignore_index, reduction="sum")
+                total = part if total is None else total + part
+                if not (need_x or need_w or need_b):
+                    continue
+                keep = t.ne(ignore_index)
+                # softmax minus the one-hot labels, zero on the rows that do not count
+                g = torch.softmax(z, dim=-1)
+                one = keep.to(g.dtype).unsqueeze(1)
+                g = g.scatter_add(1, torch.where(keep, t, 0).unsqueeze(1), -one) * one
+                g = g.to(logits.dtype)  # as the plain backward: the logits' dtype from here
+                if need_x:
+                    gx[start:end] = g @ w
+                if need_w:
+                    gw += (g.t() @ h).float()
+                if need_b:
+                    gb += g.float().sum(0)
+        if total is None:  # no rows: the plain op's sum over nothing
+            total = xc.new_zeros((), dtype=torch.float32)
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.b_dtype = None if bias is None else bias.dtype
+        ctx.save_for_backward(gx, gw, gb)
+        return total
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        gx, gw, gb = ctx.saved_tensors
+        # scaled in fp32, one rounding to each input's dtype (a bf16 product would round twice)
+        out_x = None if gx is None else (gx.float() * grad).to(ctx.x_dtype)
+        out_w = None if gw is None else (gw * grad).to(ctx.w_dtype)
+        out_b = None if gb is None else (gb * grad).to(ctx.b_dtype)
+        return out_x, out_w, out_b, None, None, None
+
+
+def linear_cross_entropy(x, weight, bias, labels, ignore_index: int = -100,
+                         num_items_in_batch=None) -> torch.Tensor:  # fmt: skip
+    """The cross-entropy of ``F.linear(x, weight, bias)`` (under autocast's cast, upcast to
+    fp32) against ``labels``, ``x`` of shape ``(..., hidden)`` and ``labels`` of ``x``'s
+    leading shape: the mean over the labels that are not ``ignore_index``, or the sum divided
+    by ``num_items_in_batch`` when given (transformers' reduction). See the module docstring.
+
+    Raises:
+        TypeError: labels that are not an integer tensor.
+        ValueError: labels whose shape is not ``x``'s leading shape.
+    """
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or labels.is_complex():
+        got = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise TypeError(f"linear_cross_entropy: labels must be an integer tensor, got {got}")
+    if labels.shape != x.shape[:-1]:
+        raise ValueError(
+            f"linear_cross_entropy: labels of shape {tuple(labels.shape)} do not match the "
+            f"{tuple(x.shape[:-1])} positions of the head's input {tuple(x.shape)}"
+        )
+    dtype = autocast_dtype("linear", x.device)
+    rows = labels.reshape(-1).to(x.device)
+    total = LinearCrossEntropyFn.apply(
+        x.reshape(-1, x.shape[-1]), weight, bias, rows, ignore_index, dtype
+    )
+    if num_items_in_batch is None:
+        return total / rows.ne(ignore_index).sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch

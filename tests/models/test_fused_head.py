@@ -1,0 +1,158 @@
+"""Hugging Face causal LMs with their head and loss fused (issue 52, item 1): in a training
+forward with labels no tensor of tokens x vocab exists, forward or backward, and the logits
+come back as None; everywhere else (eval, no labels, no grad, ``Config(keep_logits=True)``) the
+logits are built and bit-identical to the plain model's. Tiny configs of each family on the
+CPU; the loss and gradients against the plain model's are in test_transformers.py."""
+
+import copy
+import functools
+import logging
+
+import pytest
+import torch
+from conftest import assert_equal, sqnr_db, tiny_lm_config
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mesa_lite
+from mesa_lite import Config
+from mesa_lite.ops import linear_cross_entropy as lce
+
+tf = pytest.importorskip("transformers")
+tf.logging.set_verbosity_error()
+
+VOCAB, SEQ, BATCH = 320, 40, 2  # no other tensor 320 wide, no logits shaped as a weight
+CAUSAL = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+          "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # fmt: skip
+
+
+@functools.cache
+def _built(family: str):
+    torch.manual_seed(0)
+    config = tiny_lm_config(family, vocab=VOCAB)
+    return getattr(tf, CAUSAL[family])._from_config(config, attn_implementation="sdpa").train()
+
+
+def _model(family, config=None):
+    model = copy.deepcopy(_built(family))
+    return model if config is False else mesa_lite.wrap(model, config)
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, SEQ - 8 :] = 0  # the second sequence right-padded, its padding ignored
+    labels = ids.clone()
+    labels[1, SEQ - 8 :] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class _LogitsRows(TorchDispatchMode):
+    """The most rows of any tensor produced whose last dimension is the vocabulary (weights
+    and their gradients, vocab x hidden, left out)."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.hidden, self.rows = hidden, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == VOCAB:
+                if t.shape[0] != self.hidden:
+                    self.rows = max(self.rows, t.numel() // VOCAB)
+        return out
+
+
+@pytest.mark.parametrize("family", list(CAUSAL))
+def test_no_logits_are_built_in_training_with_labels(family, monkeypatch):
+    monkeypatch.setattr(lce, "CHUNK_ELEMENTS", 16 * VOCAB)  # 16 tokens a chunk: 4 chunks
+    batch = _batch()
+    fused, kept = _model(family), _model(family, Config(keep_logits=True))
+    hidden = fused.config.hidden_size if family != "gpt2" else fused.config.n_embd
+    with torch.autocast("cpu", dtype=torch.bfloat16), _LogitsRows(hidden) as seen:
+        out = fused(**batch)
+        out.loss.backward()
+    assert out.logits is None and "logits" not in out and out.loss.ndim == 0
+    assert 0 < seen.rows <= 16, seen.rows
+    with torch.autocast("cpu", dtype=torch.bfloat16), _LogitsRows(hidden) as full:
+        out_kept = kept(**batch)
+        out_kept.loss.backward()
+    assert full.rows >= BATCH * SEQ and out_kept.logits.shape == (BATCH, SEQ, VOCAB)
+    # the same loss (fp32 sums in another order); the head's input kept exact, not as codes
+    torch.testing.assert_close(out.loss, out_kept.loss, rtol=1e-5, atol=0)
+    for (n, a), b in zip(kept.named_parameters(), fused.parameters(), strict=True):
+        assert sqnr_db(a.grad, b.grad) > 25, n
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_logits_are_plain_wherever_they_are_built(family):
+    """Eval mode, no labels, no grad, keep_logits: the logits are built, bit for bit."""
+    batch = _batch()
+    plain, fused = _model(family, False), _model(family)
+    kept = _model(family, Config(keep_logits=True))
+    assert_equal(kept(**batch).logits, plain(**batch).logits, "keep_logits")
+    no_labels = {k: v for k, v in batch.items() if k != "labels"}
+    assert_equal(fused(**no_labels).logits, plain(**no_labels).logits, "no labels")
+    with torch.no_grad():
+        assert_equal(fused(**batch).logits, plain(**batch).logits, "no grad")
+    plain.eval(), fused.eval()
+    out, ref = fused(**batch), plain(**batch)
+    assert_equal(out.logits, ref.logits, "eval")
+    assert_equal(out.loss, ref.loss, "eval loss")  # transformers' own loss in eval mode
+
+
+def test_num_items_in_batch_and_the_tuple_output():
+    plain, fused = _model("llama", False), _model("llama")
+    batch = _batch()
+    items = torch.tensor(40)
+    losses = [m(**batch, num_items_in_batch=items).loss for m in (plain, fused)]
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    out = fused(**batch, num_items_in_batch=items, return_dict=False)
+    assert isinstance(out, tuple) and out[1] is None
+    torch.testing.assert_close(out[0], losses[0], rtol=1e-5, atol=0)
+
+
+def test_compiled_fullgraph_matches_eager():
+    batch = _batch()
+    eager, compiled_model = _model("llama"), _model("llama")
+    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
+    for m in (eager, compiled):
+        out = m(**batch)
+        assert out.logits is None
+        out.loss.backward()
+        m.__dict__["_loss_value"] = out.loss.detach()
+    torch.testing.assert_close(compiled.__dict__["_loss_value"], eager.__dict__["_loss_value"],
+                               rtol=1e-6, atol=0)  # fmt: skip
+    for (n, a), b in zip(eager.named_parameters(), compiled_model.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_wrap_says_which_heads_it_fused(caplog):
+    class MyLM(tf.LlamaForCausalLM):  # a forward of its own: not one mesa_lite checked
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        mesa_lite.wrap(_model("llama", False))
+    assert "the loss fused with its head (logits None in training with labels)" in caplog.text
+    caplog.clear()
+    mine = MyLM._from_config(tiny_lm_config("llama", vocab=VOCAB), attn_implementation="sdpa")
+    with caplog.at_level(logging.INFO, logger="mesa_lite"):
+        mesa_lite.wrap(mine.train())
+    assert "the loss not fused with its head (MyLM has a forward of its own)" in caplog.text
+    assert mine(**_batch()).logits.shape == (BATCH, SEQ, VOCAB)
+
+
+def test_bad_labels_and_a_vocab_mismatch_get_clear_errors():
+    fused = _model("llama")
+    batch = _batch()
+    with pytest.raises(TypeError, match="labels must be an integer tensor"):
+        fused(**{**batch, "labels": batch["labels"].float()})
+    with pytest.raises(ValueError, match="do not match"):
+        fused(**{**batch, "labels": batch["labels"][:, :-1]})
+    with pytest.raises(
+        ValueError, match="head has 320 outputs but the loss was given vocab_size=300"
+    ):
+        fused.config.vocab_size = 300
+        fused(**batch)
