@@ -30,10 +30,16 @@ from mesa_lite.ops.common import first_order_only, plain_under_functorch
 CHUNK_ELEMENTS = 1 << 24
 
 
-def _chunks(n: int, vocab: int):
-    rows = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+def row_chunks(n: int, vocab: int, elements: int):
+    """``(start, end)`` of each chunk of ``n`` rows of ``vocab`` values, about ``elements``
+    values a chunk (one row at least)."""
+    rows = max(1, elements // max(vocab, 1))
     for start in range(0, n, rows):
         yield start, min(n, start + rows)
+
+
+def _chunks(n: int, vocab: int):
+    return row_chunks(n, vocab, CHUNK_ELEMENTS)
 
 
 class ChunkedCrossEntropyFn(torch.autograd.Function):

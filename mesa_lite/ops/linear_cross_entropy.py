@@ -24,15 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from mesa_lite.ops.common import autocast_cast, autocast_dtype, first_order_only
+from mesa_lite.ops.cross_entropy import row_chunks
 
 # rows per chunk: about this many fp32 elements of logits at a time (64 MiB)
 CHUNK_ELEMENTS = 1 << 24
-
-
-def _chunks(n: int, vocab: int):
-    rows = max(1, CHUNK_ELEMENTS // max(vocab, 1))
-    for start in range(0, n, rows):
-        yield start, min(n, start + rows)
 
 
 class LinearCrossEntropyFn(torch.autograd.Function):
@@ -52,7 +47,7 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         gb = torch.zeros(vocab, dtype=torch.float32, device=w.device) if need_b else None
         total = None
         with torch.autocast(xc.device.type, enabled=False):  # cast above, as autocast would
-            for start, end in _chunks(n, vocab):
+            for start, end in row_chunks(n, vocab, CHUNK_ELEMENTS):
                 h, t = xc[start:end], labels[start:end]
                 logits = F.linear(h, w, b)
                 z = logits.float()
