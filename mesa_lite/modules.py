@@ -394,7 +394,9 @@ class Linear(MesaModule, nn.Linear):
         weight, bias = _weight_and_bias(self)
         head = self.__dict__.get("_mesa_head")  # a causal LM's head, fused with its loss
         if head is not None and head.armed:
-            return head.defer(x, weight, bias)
+            deferred = head.defer(x, weight, bias)
+            if deferred is not None:
+                return deferred
         if not self._mesa_active(x, weight, bias):
             return F.linear(x, weight, bias)
         return linear(x, weight, bias, self.mesa_spec)

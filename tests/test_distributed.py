@@ -257,7 +257,8 @@ def _fsdp_lm_checks(rank, world) -> dict:
     tf.logging.set_verbosity_error()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 256, (2 * world, 16), generator=g)[2 * rank : 2 * rank + 2]
+    # 128 tokens a rank: at least 2 x hidden, where the head and loss are fused
+    ids = torch.randint(0, 256, (2 * world, 64), generator=g)[2 * rank : 2 * rank + 2]
     torch.manual_seed(0)
     base = tf.LlamaForCausalLM._from_config(tiny_lm_config("llama"), attn_implementation="sdpa")
     runs = {}

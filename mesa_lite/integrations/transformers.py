@@ -279,6 +279,7 @@ class _CausalLMLoss:
         self.head = head
         self.armed = False
         self.pending: tuple | None = None  # the head's input, weight and bias, deferred
+        self.model = ""  # the class of the model that armed it (for errors)
 
     def __getstate__(self) -> dict:  # a copy holds no tensors of a forward in flight
         return {**self.__dict__, "armed": False, "pending": None}
@@ -286,22 +287,34 @@ class _CausalLMLoss:
     def track(self, module, args, kwargs) -> None:
         self.training = module.training
         self.pending = None
+        self.model = type(module).__name__
+        head = self.head
         self.armed = (
-            self.head is not None and self.mesa_spec is not None and module.training
+            head is not None and self.mesa_spec is not None and module.training
             and torch.is_grad_enabled() and kwargs.get("labels") is not None
             and not in_functorch_transform()  # inside torch.func every layer runs plain
-            and not _sharded_apart(self.head)
+            # the head as wrap found it: not replaced (PEFT's LoRA around it), no forward hook
+            # that would see (and could change) the logits, not an FSDP2 unit of its own
+            and getattr(module, "lm_head", None) is head
+            and not (head._forward_hooks or nn.modules.module._global_forward_hooks)
+            and not _sharded_apart(head)
         )  # fmt: skip
 
-    def defer(self, x, weight, bias) -> torch.Tensor:
-        """The armed head's forward: keeps its input, returns the placeholder."""
+    def defer(self, x, weight, bias) -> torch.Tensor | None:
+        """The armed head's forward: keeps its input and returns the placeholder, or returns
+        None (the head then computes its logits) where the fused Function would keep more
+        than the logits: its fp32 weight gradient, vocab x hidden, against the tokens x vocab
+        logits in 2 bytes, so below 2 x hidden tokens."""
         self.armed = False  # one deferral a forward
+        if x.numel() < 2 * x.shape[-1] * x.shape[-1]:
+            return None
         self.pending = (x, weight, bias)
         return x.new_empty((*x.shape[:-1], 0))
 
     def end(self, module, args, kwargs, output):
         self.armed = False
-        if self.pending is None:
+        if self.pending is None or output is None:  # None: the forward raised
+            self.pending = None
             return None
         self.pending = None  # the head ran deferred but no loss took it: no logits either
         return _without_logits(output)
@@ -313,10 +326,11 @@ class _CausalLMLoss:
             return self._fused(x, weight, bias, labels, vocab_size, **kwargs)
         if self.pending:
             raise RuntimeError(
-                f"mesa_lite: the loss of {type(self.head).__name__} got logits the head did not "
-                "return; this model's forward changes its logits before the loss, which the "
-                "fused head and loss cannot follow: wrap it with "
-                "mesa_lite.Config(keep_logits=True)"
+                f"mesa_lite: {self.model}'s loss got logits its lm_head did not return: the "
+                "lm_head was called more than once in this forward (an auxiliary or "
+                "logit-lens call, which got an empty placeholder) or the logits were changed "
+                "before the loss; the fused head and loss cannot follow either: wrap the "
+                "model with mesa_lite.Config(keep_logits=True)"
             )
         if not self.training or self.mesa_spec is None:
             from transformers.loss.loss_utils import ForCausalLMLoss

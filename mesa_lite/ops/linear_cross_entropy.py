@@ -71,13 +71,15 @@ class LinearCrossEntropyFn(torch.autograd.Function):
             total = xc.new_zeros((), dtype=torch.float32)
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
-        ctx.save_for_backward(gx, gw, gb)
+        # the weight and bias too (parameters, kept anyway): autograd's check then raises, as
+        # for the plain head, if they are changed in place before backward
+        ctx.save_for_backward(gx, gw, gb, weight, bias)
         return total
 
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
-        gx, gw, gb = ctx.saved_tensors
+        gx, gw, gb, _, _ = ctx.saved_tensors
         # scaled in fp32, one rounding to each input's dtype (a bf16 product would round twice)
         out_x = None if gx is None else (gx.float() * grad).to(ctx.x_dtype)
         out_w = None if gw is None else (gw * grad).to(ctx.w_dtype)

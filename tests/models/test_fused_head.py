@@ -20,7 +20,8 @@ from mesa_lite.ops import linear_cross_entropy as lce
 tf = pytest.importorskip("transformers")
 tf.logging.set_verbosity_error()
 
-VOCAB, SEQ, BATCH = 320, 40, 2  # no other tensor 320 wide, no logits shaped as a weight
+# 160 tokens, at least 2 x hidden (64): fused; no other tensor 320 wide
+VOCAB, SEQ, BATCH = 320, 40, 4
 CAUSAL = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
           "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}  # fmt: skip
 
@@ -156,3 +157,72 @@ def test_bad_labels_and_a_vocab_mismatch_get_clear_errors():
     ):
         fused.config.vocab_size = 300
         fused(**batch)
+
+
+@pytest.mark.parametrize("family, inner", [("gpt2", "transformer"), ("llama", "model")])
+def test_gradients_equal_the_plain_models_with_only_the_head_wrapped(family, inner):
+    """The decoder left exact: the fused head's loss and every gradient (GPT-2's tied
+    embedding too) are the plain model's within fp32 rounding."""
+    plain = _model(family, False)
+    fused = _model(family, Config(overrides={inner: {"enabled": False}}))
+    batch = _batch()
+    outs = []
+    for m in (plain, fused):
+        out = m(**batch)
+        out.loss.backward()
+        outs.append(out)
+    assert outs[1].logits is None
+    torch.testing.assert_close(outs[1].loss, outs[0].loss, rtol=1e-6, atol=0)
+    for (n, a), b in zip(plain.named_parameters(), fused.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-7, msg=n)
+
+
+def test_what_the_head_does_not_own_is_honoured():
+    """A forward hook on the lm_head (it could change the logits), a head replaced after wrap
+    (PEFT's LoRA around it), fewer tokens than 2 x hidden (the fused Function's fp32 weight
+    gradient would outweigh the logits): the head builds its logits, the loss as plain's."""
+    batch = _batch()
+    plain, fused = _model("llama", False), _model("llama")
+    for m in (plain, fused):
+        m.lm_head.register_forward_hook(lambda mod, args, out: out / 2)
+    out, ref = fused(**batch), plain(**batch)
+    assert out.logits is not None
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0)
+
+    class Adapter(torch.nn.Module):  # a head wrapped after mesa_lite.wrap, as LoRA wraps it
+        def __init__(self, base):
+            super().__init__()
+            self.base_layer = base
+            self.delta = torch.nn.Linear(base.in_features, base.out_features, bias=False)
+
+        def forward(self, x):
+            return self.base_layer(x) + self.delta(x)
+
+    fused = _model("llama")
+    fused.lm_head = Adapter(fused.lm_head)
+    out = fused(**batch)
+    out.loss.backward()
+    assert out.logits.shape == (BATCH, SEQ, VOCAB) and fused.lm_head.delta.weight.grad is not None
+    short = {k: v[:1, :20] for k, v in batch.items()}  # 20 tokens, under 2 x 64
+    assert _model("llama")(**short).logits.shape == (1, 20, VOCAB)
+
+
+def test_a_second_head_call_or_a_change_before_backward_is_an_error():
+    import warnings
+
+    fused = _model("llama")
+    batch = _batch()
+    seen = []
+    fused.model.register_forward_hook(lambda m, a, out: seen.append(fused.lm_head(out[0])))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="lm_head was called more than once"):
+            fused(**batch)
+    assert seen[0].shape[-1] == 0  # the auxiliary call got the placeholder
+    assert not [w for w in caught if "always_call" in str(w.message)], caught
+    fused = _model("llama")
+    loss = fused(**batch).loss
+    with torch.no_grad():
+        fused.lm_head.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
