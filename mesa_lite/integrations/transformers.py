@@ -312,12 +312,10 @@ class _CausalLMLoss:
         return x.new_empty((*x.shape[:-1], 0))
 
     def end(self, module, args, kwargs, output):
-        self.armed = False
-        if self.pending is None or output is None:  # None: the forward raised
-            self.pending = None
-            return None
-        self.pending = None  # the head ran deferred but no loss took it: no logits either
-        return _without_logits(output)
+        # deferred: the head returned the placeholder (whether a loss took it or not), so the
+        # output has no logits; output None: the forward raised
+        deferred, self.pending, self.armed = self.pending is not None, None, False
+        return _without_logits(output) if deferred and output is not None else None
 
     def __call__(self, logits, labels, vocab_size: int, **kwargs):
         if self.pending is not None and logits.shape[-1] == 0:
@@ -479,7 +477,7 @@ def _inline_loss_head(module: nn.Module) -> bool:
     )
 
 
-def after_wrap(model: nn.Module, config, filter_fn=None) -> tuple[list, int]:
+def after_wrap(model: nn.Module, config, filter_fn=None) -> tuple[list, int, list[str]]:
     """Sets the chunked loss on the language models in ``model`` (the ``loss_function`` of
     causal LMs, fused with their head where ``fused_head`` allows; a ``_LossOps`` over the
     forward of masked LMs) that ``config`` and ``filter_fn`` leave to compress; returns their

@@ -38,10 +38,6 @@ def row_chunks(n: int, vocab: int, elements: int):
         yield start, min(n, start + rows)
 
 
-def _chunks(n: int, vocab: int):
-    return row_chunks(n, vocab, CHUNK_ELEMENTS)
-
-
 class ChunkedCrossEntropyFn(torch.autograd.Function):
     """``F.cross_entropy(logits.float() if upcast else logits, labels, ignore_index=...,
     reduction=...)`` for 2-D ``logits`` (rows x vocab) and 1-D integer ``labels``;
@@ -87,7 +83,8 @@ class ChunkedCrossEntropyFn(torch.autograd.Function):
         if total is not None:
             spans = []
         else:  # the chunks, or the whole under compile (the other autocast precisions)
-            spans = [(0, n)] if torch.compiler.is_compiling() else _chunks(n, vocab)
+            compiling = torch.compiler.is_compiling()
+            spans = [(0, n)] if compiling else row_chunks(n, vocab, CHUNK_ELEMENTS)
         for a, b in spans:
             chunk = logits[a:b].float() if upcast else logits[a:b]
             part = F.cross_entropy(chunk, labels[a:b], ignore_index=ignore_index, reduction="sum")
@@ -118,7 +115,7 @@ class ChunkedCrossEntropyFn(torch.autograd.Function):
         logits, labels = logits.reshape(-1, vocab), labels.reshape(-1)
         n = logits.shape[0]
         out = torch.empty_like(logits)
-        for a, b in _chunks(n, vocab):
+        for a, b in row_chunks(n, vocab, CHUNK_ELEMENTS):
             lab = labels[a:b]
             keep = lab.ne(ctx.ignore_index).unsqueeze(1)
             g = torch.softmax(logits[a:b].float(), -1)

@@ -5,8 +5,9 @@ the labels, and works through the rows a chunk at a time: each chunk's logits (`
 in autocast's dtype, as the head computes them), their cross-entropy in fp32 (as
 transformers' causal-LM loss upcasts them), and at once their gradient, the softmax minus the
 one-hot labels, in the logits' dtype, multiplied back into the gradients of ``x``, the weight
-and the bias. Forward keeps those three gradients and nothing else (the approach of
-Liger-Kernel's fused linear cross-entropy); backward scales them by the loss's gradient. No
+and the bias. Forward keeps those three gradients (the approach of Liger-Kernel's fused
+linear cross-entropy), and the weight and bias themselves for autograd's in-place check;
+backward scales the gradients by the loss's gradient. No
 tensor of rows x vocab exists outside one chunk, forward or backward.
 
 The loss equals transformers' within fp32 rounding (each chunk's ``F.cross_entropy`` is the
@@ -69,8 +70,7 @@ class LinearCrossEntropyFn(torch.autograd.Function):
                     gb += g.float().sum(0)
         if total is None:  # no rows: the plain op's sum over nothing
             total = xc.new_zeros((), dtype=torch.float32)
-        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        ctx.b_dtype = None if bias is None else bias.dtype
+        ctx.x_dtype = x.dtype
         # the weight and bias too (parameters, kept anyway): autograd's check then raises, as
         # for the plain head, if they are changed in place before backward
         ctx.save_for_backward(gx, gw, gb, weight, bias)
@@ -79,11 +79,11 @@ class LinearCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
-        gx, gw, gb, _, _ = ctx.saved_tensors
+        gx, gw, gb, weight, bias = ctx.saved_tensors
         # scaled in fp32, one rounding to each input's dtype (a bf16 product would round twice)
         out_x = None if gx is None else (gx.float() * grad).to(ctx.x_dtype)
-        out_w = None if gw is None else (gw * grad).to(ctx.w_dtype)
-        out_b = None if gb is None else (gb * grad).to(ctx.b_dtype)
+        out_w = None if gw is None else (gw * grad).to(weight.dtype)
+        out_b = None if gb is None else (gb * grad).to(bias.dtype)
         return out_x, out_w, out_b, None, None, None
 
 
