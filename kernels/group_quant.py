@@ -613,7 +613,7 @@ if HAS_TRITON:
 
 # Packed (4- and 2-bit) codes through lanes (``_quantize_lanes``; the dequantize kernel's
 # LANES branch) rather than a reshape of the tile; both give the same bytes and values.
-PACKED_LANES = True
+PACKED_LANES = False  # on once a GPU run shows it faster (docs/RESULTS.md)
 
 
 @functools.lru_cache(maxsize=64)
