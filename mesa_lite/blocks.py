@@ -50,7 +50,7 @@ from mesa_lite.ops.linear import (
     linear_backward,
 )
 
-__all__ = ["NormAttentionFn", "NormMlpFn", "GatedMlpFn", "MlpFn", "Unsupported"]
+__all__ = ["NormAttentionFn", "NormMlpFn", "GatedMlpFn", "GatedProductFn", "MlpFn", "Unsupported"]
 
 
 class Unsupported(Exception):
@@ -310,10 +310,7 @@ class GatedMlpFn(torch.autograd.Function):
         )  # fmt: skip
         gx = g_gw = g_gb = g_uw = g_ub = None
         if need_gu:
-            g_prod = g_prodc.to(prod_dtype)
-            g_a = (g_prod * u).to(a_dtype)
-            g_u = (g_prod * a).to(u_dtype)
-            g_g = activation_grad(fn, grad_fn, ctx.state, g, g_a).to(g_dtype)
+            g_g, g_u = _product_grads(g_prodc.to(prod_dtype), g, a, u, fn, grad_fn, ctx.state)
             xs = []
 
             def rebuild_x():
@@ -331,6 +328,53 @@ class GatedMlpFn(torch.autograd.Function):
             if n[0]:
                 gx = g_xg.to(x_dtype) + g_xu.to(x_dtype)
         return gx, g_gw, g_gb, g_uw, g_ub, g_dw, g_db, None
+
+
+def _product_grads(g_prod, g, a, u, fn, grad_fn, state):
+    """The gradients of ``g`` and ``u`` in ``act(g) * u`` (``a`` = ``act(g)``) from the
+    product's gradient ``g_prod``, each in its tensor's dtype."""
+    g_a = (g_prod * u).to(a.dtype)
+    g_u = (g_prod * a).to(u.dtype)
+    return activation_grad(fn, grad_fn, state, g, g_a).to(g.dtype), g_u
+
+
+class GatedProductFn(torch.autograd.Function):
+    """``act(g) * u``, the middle of a gated MLP whose projections cannot run inside
+    ``GatedMlpFn`` (PEFT's LoRA layers, other adapters): the projections run as their own
+    modules around it. Keeps ``g`` and ``u`` compressed and rebuilds the activation from
+    ``g`` in backward; the per-op path keeps the activation's input, and both factors of the
+    product in full.
+
+    ``cfg``: ``(fn, grad_fn, spec)``, the activation's formula, its direct backward (None:
+    autograd on the formula; see ``ops/activation.py``) and the compression setting.
+    """
+
+    @staticmethod
+    def forward(ctx, g, u, cfg):
+        fn, _, spec = cfg
+        state = autocast_state(g.device)
+        a = fn(g)
+        prod = a * u
+        need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        pg = quant.quantize(g, spec) if need else None
+        pu = quant.quantize(u, spec) if need else None
+        quant.save(ctx, pg, pu)
+        ctx.cfg, ctx.state = cfg, state
+        ctx.dtypes = (g.dtype, u.dtype, prod.dtype)
+        return fresh(prod)
+
+    @staticmethod
+    @first_order_only
+    def backward(ctx, grad):
+        pg, pu = quant.load(ctx)
+        fn, grad_fn, _ = ctx.cfg
+        g_dtype, u_dtype, prod_dtype = ctx.dtypes
+        g = quant.dequantize(pg, g_dtype)
+        u = quant.dequantize(pu, u_dtype)
+        a = run_activation(fn, g, ctx.state)
+        g_g, g_u = _product_grads(grad.to(prod_dtype), g, a, u, fn, grad_fn, ctx.state)
+        n = ctx.needs_input_grad
+        return (g_g if n[0] else None), (g_u if n[1] else None), None
 
 
 def _project(kind: str, x, w, b, dtype):

@@ -55,6 +55,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -467,7 +468,21 @@ def _is_projection(m: nn.Module) -> bool:
 
 
 def _in_width(m: nn.Module) -> int:
+    if _adapted_linear(m):
+        m = m.base_layer
     return m.in_features if isinstance(m, nn.Linear) else m.weight.shape[0]
+
+
+def _adapted_linear(m: nn.Module) -> bool:
+    """An adapter layer around a linear projection: a module (not itself an ``nn.Linear``)
+    whose ``base_layer`` is one, wrapped or not (PEFT's LoRA ``Linear`` and its other tuner
+    layers). A gated MLP built of them runs its projections as their own modules
+    (``GatedMlp``'s product path)."""
+    return not isinstance(m, nn.Linear) and isinstance(getattr(m, "base_layer", None), nn.Linear)
+
+
+def _gated_projection(m: nn.Module) -> bool:
+    return type(m) is nn.Linear or isinstance(m, Linear) or _adapted_linear(m)
 
 
 def _is_activation(m: nn.Module) -> bool:
@@ -515,7 +530,7 @@ def _gated_candidate(module: nn.Module):
     if isinstance(module, (FusedBlock, MesaModule)) or _own_tensors(module):
         return None
     kids = dict(module.named_children())
-    projs = [n for n, m in kids.items() if type(m) is nn.Linear or isinstance(m, Linear)]
+    projs = [n for n, m in kids.items() if _gated_projection(m)]
     acts = [n for n, m in kids.items() if _is_activation(m) and n not in projs]
     rest = [m for n, m in kids.items() if n not in projs and n not in acts]
     if len(projs) != 3 or len(acts) > 1 or any(_has_params(m) for m in rest):
@@ -573,7 +588,8 @@ def gated_mlp(module: nn.Module) -> tuple | str | None:
             return None
         if not options:  # not an MLP's data flow (BERT's q, k, v): not a candidate after all
             return None
-        w = getattr(module, projs[0]).weight
+        first = getattr(module, projs[0])
+        w = (first.base_layer if _adapted_linear(first) else first).weight
         why = None
         for roles in options:
             why = prove(
@@ -593,15 +609,22 @@ def gated_mlp(module: nn.Module) -> tuple | str | None:
 
 class GatedMlp(FusedBlock, nn.Module):
     """A gated MLP (``gated_mlp``) running as one ``blocks.GatedMlpFn`` when its projections
-    (and activation child) are wrapped with one setting (no hooks, training with grad);
-    otherwise its own forward."""
+    (and activation child) are wrapped with one setting (no hooks, training with grad).
+    Where a projection is an adapter layer (PEFT's LoRA) the projections run as their own
+    modules and ``act(gate(x)) * up(x)`` as one ``blocks.GatedProductFn``. Otherwise its own
+    forward."""
 
     def forward(self, *args, **kwargs):
         x = args[0] if len(args) == 1 and not kwargs else None
         parts = None if x is None or not self._mesa_block_active(x) else _gated_parts(self)
         if parts is None:
             return super().forward(*args, **kwargs)
-        gp, up, dp, fn, grad_fn, spec = parts
+        fused, gp, up, dp, fn, grad_fn, spec = parts
+        if not fused:  # the order of the module's own calls: gate, up, down
+            _warn_unconverted(self, (gp, up, dp))
+            g = gp(x)
+            prod = blocks.GatedProductFn.apply(g, up(x), (fn, backward_for(grad_fn, spec), spec))
+            return dp(prod)
         dtype = autocast_dtype("linear", x.device)
         cfg = (dtype, fn, backward_for(grad_fn, spec), spec)
         return blocks.GatedMlpFn.apply(
@@ -611,33 +634,62 @@ class GatedMlp(FusedBlock, nn.Module):
     def unfuse(self) -> nn.Module:
         self.__dict__.pop("_mesa_gated", None)
         self.__dict__.pop("_mesa_proved_attrs", None)
+        self.__dict__.pop("_mesa_adapters_checked", None)
         return super().unfuse()
 
 
+def _warn_unconverted(m: nn.Module, layers) -> None:
+    """Warns once per gated MLP whose adapter layers hold linear layers ``wrap`` has not
+    converted (PEFT's adapters added after ``wrap``): they keep their inputs in full."""
+    key = tuple(id(x) for x in layers)
+    if torch.compiler.is_compiling() or m.__dict__.get("_mesa_adapters_checked") == key:
+        return
+    m.__dict__["_mesa_adapters_checked"] = key
+    plain = [n for x in layers if _adapted_linear(x) for n, c in x.named_modules()
+             if isinstance(c, nn.Linear) and not isinstance(c, MesaModule)]  # fmt: skip
+    if plain:
+        warnings.warn(
+            f"mesa_lite: {type(m).__name__}'s adapter layers hold linear layers wrap has not "
+            f"converted ({', '.join(plain[:3])}): they keep their inputs in full. Adapters "
+            "added after wrap (PEFT's get_peft_model) are converted by calling "
+            "mesa_lite.wrap(model) again.",
+            stacklevel=3,
+        )
+
+
 def _gated_parts(m: nn.Module):
+    """``(fused, gate, up, down, fn, grad_fn, spec)`` for the fast path of a recognised gated
+    MLP: ``fused`` when its projections are all converted Linears (one ``GatedMlpFn``), False
+    when some are adapter layers around converted Linears (``GatedProductFn``); None for its
+    own forward."""
     roles = m.__dict__.get("_mesa_gated")
     if roles is None or not still_proved(m):
         return None
     gate, up, down, act = roles
     layers = [getattr(m, n) for n in (gate, up, down)]
-    if not all(isinstance(x, Linear) for x in layers):
+    fused = all(isinstance(x, Linear) for x in layers)
+    # an adapter's base layer carries the setting; the adapter runs as its own module
+    bases = [x.base_layer if _adapted_linear(x) else x for x in layers]
+    if not all(isinstance(x, Linear) for x in bases):
         return None
     if act in _ACT_FUNCTIONS:
         fn, grad_fn = _ACT_FUNCTIONS[act]
-        spec = blocks.spec_of(*layers)
+        acts = []
     else:
         a = getattr(m, act)
         if not _is_activation(a) or getattr(a, "inplace", False):
             return None
-        layers.append(a)
+        acts = [a]
         fn, grad_fn = a.mesa_formula()
-        spec = blocks.spec_of(*layers)
-    if spec is None or spec.exact or not plain_modules(m, *layers):
+    spec = blocks.spec_of(*bases, *acts)
+    # the modules whose forwards the path skips: the projections too when fused
+    skipped = (*layers, *acts) if fused else acts
+    if spec is None or spec.exact or not plain_modules(m, *skipped):
         # debug_exact runs per-op: where the input is also the residual stream (Olmo2's
         # post-norm layers) its gradient sums three terms, in the order only the per-op
         # graph reproduces
         return None
-    return (*layers[:3], fn, grad_fn, spec)
+    return (fused, *layers, fn, grad_fn, spec)
 
 
 # ---- two-projection MLP (GPT-2's) ----------------------------------------------------------
@@ -771,7 +823,8 @@ def fused_layers_converted(module: nn.Module) -> bool:
         projections = (chain[0], chain[2])  # (proj1, act, proj2[, dropout])
     else:
         return False
-    return all(isinstance(getattr(module, n), MesaModule) for n in projections)
+    layers = [getattr(module, n) for n in projections]
+    return all(isinstance(x.base_layer if _adapted_linear(x) else x, MesaModule) for x in layers)
 
 
 def _matcher(find: Callable, key: str, cls: type) -> Callable[[nn.Module], type | str | None]:

@@ -249,6 +249,7 @@ def test_in_place_on_block_output_and_torch_func():
     assert h.grad is not None and torch.isfinite(h.grad).all()
     # torch.func: the block runs its own forward, the layers plain (exact), with a warning
     params = dict(blk.named_parameters())
+    mesa_lite.ops.common._WARNED.discard("functorch")  # warned once a process
     with pytest.warns(UserWarning, match="torch.func"):
         g = torch.func.grad(lambda p: torch.func.functional_call(blk, p, (h,)).sum())(params)
     unwrapped = mesa_lite.unwrap(copy.deepcopy(wrapped)).train().blocks[0]
