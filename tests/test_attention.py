@@ -269,3 +269,56 @@ def test_sdpa_broadcast_inputs(exact, case, masked, device):
         )  # fmt: skip
         spared = sum(out.numel() - t.numel() for t in leaves)  # one int8 code each
         assert kept <= dense_kept - 0.95 * spared, (kept, dense_kept, spared)
+
+
+def _kept_shapes(fn) -> list[tuple]:
+    """The shapes of the tensors ``fn``'s forward saves for backward (each saved one once)."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return shapes, out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: on the CPU PyTorch "
+                    "runs attention with dropout on its math path")  # fmt: skip
+@pytest.mark.parametrize("mask_kind", [None, "padding4d", "additive"], ids=str)
+@pytest.mark.parametrize("autocast", ["fp16", "bf16"], ids=str)
+@pytest.mark.parametrize("exact", [True, False], ids=["debug_exact", "int8"])
+def test_sdpa_dropout_on_cuda_runs_fused_with_pytorchs_draws(exact, autocast, mask_kind):
+    """Issue 52: attention with dropout on CUDA (BERT's, in training) takes PyTorch's fused
+    kernel with dropout (flash without a mask, memory-efficient with one): under one seed
+    the output is PyTorch's bit for bit (the same draws), backward regenerates the mask from
+    the kept RNG state, and no tensor of attention probabilities (B, H, N, N) is kept;
+    gradients exact in debug_exact, within the 8-bit floor compressed."""
+    device = torch.device("cuda")
+    ac = AUTOCAST[autocast]
+    (q1, k1, v1), _ = _qkv(device, strided=False)
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q1, k1, v1))
+    kw = dict(dropout_p=0.3, attn_mask=None if mask_kind is None else _masks(device)[mask_kind])
+    torch.manual_seed(7)
+    ref = _run(F.scaled_dot_product_attention, q1, k1, v1, device, ac, **kw)
+    torch.manual_seed(7)
+    shapes, out = _kept_shapes(
+        lambda: _run(mesa_sdpa, q2, k2, v2, device, ac, spec=QuantSpec(exact=exact), **kw)
+    )
+    assert type(out.grad_fn).__name__ == "SDPAFnBackward", "the compressed Function must run"
+    assert_equal(out, ref, "forward")
+    no_drop = _run(F.scaled_dot_product_attention, q1, k1, v1, device, ac,
+                   attn_mask=kw["attn_mask"])  # fmt: skip
+    assert not torch.equal(out, no_drop), "dropout must have dropped"
+    B, H, N, _ = q1.shape
+    assert (B, H, N, N) not in shapes, shapes
+    g = torch.randn_like(ref)
+    ref.backward(g)
+    out.backward(g)
+    for what, a, b in (("q", q1, q2), ("k", k1, k2), ("v", v1, v2)):
+        if exact:
+            assert_equal(b.grad, a.grad, f"grad of {what}")
+        else:
+            db = sqnr_db(a.grad, b.grad)
+            assert FLOORS[8] <= db < float("inf"), f"grad of {what}: {db:.1f} dB"

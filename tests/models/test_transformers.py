@@ -358,3 +358,42 @@ def test_flattened_shift_labels_are_taken_as_transformers_takes_them():
         assert sqnr_db(a.grad, b.grad) >= FLOORS["llama"] - 10, n
     with pytest.raises(ValueError, match="expected logits .* and labels"):
         model(input_ids=ids, labels=ids, shift_labels=shift[:-1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: on the CPU PyTorch "
+                    "runs attention with dropout on its math path")  # fmt: skip
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_bert_dropout_attention_on_cuda_keeps_no_probabilities(compiled):
+    """Issue 52: BERT in training with dropout everywhere (0.1), bf16 on CUDA: attention runs
+    the fused SDPA kernel with dropout, so no (B, H, N, N) tensor is kept for backward, eager
+    or compiled; eager, under one seed the loss is plain's (the same draws) and the
+    gradients within BERT's floor. Compiled, Inductor draws the other dropouts itself, so
+    the loss is only within 2% of plain eager's and every gradient finite."""
+    torch.manual_seed(0)
+    config = tiny_lm_config("bert", dropout=0.1, vocab=VOCAB)
+    plain = tf.BertForMaskedLM._from_config(config, attn_implementation="sdpa").train().cuda()
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain))
+    if compiled:
+        mesa_lite.compile(wrapped, fullgraph=True, in_place=True)
+    batch = _batch(pad=True)
+    B, N = batch["input_ids"].shape
+    H = config.num_attention_heads
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    loss0, _, g0 = _step(plain, batch, device="cuda", seed=3)
+    wrapped.zero_grad(set_to_none=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss1, _, g1 = _step(wrapped, batch, device="cuda", seed=3)
+    assert shapes and (B, H, N, N) not in shapes, shapes
+    assert set(g1) == set(g0)
+    if not compiled:
+        torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=0)
+        worst, where = _worst_sqnr(g0, g1)
+        assert FLOORS["bert"] <= worst < float("inf"), f"{where}: {worst:.1f} dB"
+        return
+    torch.testing.assert_close(loss1, loss0, rtol=0.02, atol=0)
+    assert all(torch.isfinite(g).all() for g in g1.values())
