@@ -7,7 +7,6 @@ Parameters, buffers, hooks and state_dict keys stay the same; ``to_original`` sw
 
 from __future__ import annotations
 
-import copy
 import functools
 from typing import ClassVar
 
@@ -205,8 +204,16 @@ def held_object(value) -> bool:
 
 def _value_copy(value):
     """What to compare a value with later: plain values as they are, a container's contents
-    copied, anything else by identity."""
-    return copy.deepcopy(value) if isinstance(value, _CONTAINERS) else value
+    copied (containers inside it too), anything else by identity: an object a container
+    holds compares by identity (PEFT's ``lora_variant`` dict of objects), so a deep copy of
+    it would never compare equal."""
+    if isinstance(value, dict):
+        return {k: _value_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_value_copy(v) for v in value]
+    if isinstance(value, set):
+        return set(value)
+    return value
 
 
 def record_read(obj, name: str, value) -> None:
@@ -241,7 +248,7 @@ def _snapshot(value):
     (``config.use_cache = False`` after wrap, which Hugging Face scripts do) leaves fusion on;
     None for anything else."""
     if isinstance(value, _CONTAINERS):
-        return copy.deepcopy(value)
+        return _value_copy(value)
     if held_object(value):
         obj, reads = FIELD_READS.get(id(value), (None, None))
         if obj is value and reads:
@@ -249,11 +256,29 @@ def _snapshot(value):
     return None
 
 
-def proved_attrs(module: nn.Module) -> tuple:
+def _modules_but(module: nn.Module, opaque) -> list[nn.Module]:
+    """``module`` and its sub-modules, each once, leaving out every sub-module ``opaque``
+    holds true for and everything inside it."""
+    out, seen, todo = [], set(), [module]
+    while todo:
+        m = todo.pop()
+        if id(m) in seen or (m is not module and opaque(m)):
+            continue
+        seen.add(id(m))
+        out.append(m)
+        todo.extend(reversed(list(m.children())))
+    return out
+
+
+def proved_attrs(module: nn.Module, opaque=None) -> tuple:
     """``(sub-module, name, value, copy)`` for each plain attribute of ``module`` and its
     children that a proof assumed (tensors, modules and private names left out, and a
-    dropout's ``p``: the fused path reads it on each call); ``copy``: ``_snapshot``'s."""
-    return tuple((m, k, v, _snapshot(v)) for m in module.modules() for k, v in proof_attrs(m)
+    dropout's ``p``: the fused path reads it on each call); ``copy``: ``_snapshot``'s.
+    ``opaque(sub-module)`` True: a child the proved path calls as the module's own forward
+    does (an adapter layer), a black box to the proof: neither its attributes nor those of
+    its sub-modules are recorded (PEFT's ``add_adapter`` and merges change them)."""
+    mods = module.modules() if opaque is None else _modules_but(module, opaque)
+    return tuple((m, k, v, _snapshot(v)) for m in mods for k, v in proof_attrs(m)
                  if not (k == "p" and isinstance(m, nn.Dropout)))  # fmt: skip
 
 

@@ -168,6 +168,21 @@ _UNSET = object()
 
 
 @contextlib.contextmanager
+def _tensors_restored(module: nn.Module):
+    """Puts back every parameter and buffer of ``module`` and its sub-modules, each the object
+    it was, on exit. ``_reparametrize_module`` alone does not for a sub-module reached under
+    two names (PEFT's VeRA shares its projections across layers, an adapter may share one
+    low-rank layer between gate and up): the second name restores the probe's tensor."""
+    saved = [(d, dict(d)) for m in module.modules() for d in (m._parameters, m._buffers)]
+    try:
+        yield
+    finally:
+        for d, items in saved:
+            d.clear()
+            d.update(items)
+
+
+@contextlib.contextmanager
 def _probing(module: nn.Module):
     """``module`` in training mode with random CPU parameters, no grad, no autocast, the CPU
     RNG forked (the caller's state comes back), its mesa_lite sub-modules running plain
@@ -187,6 +202,7 @@ def _probing(module: nn.Module):
             st.enter_context(torch.random.fork_rng(devices=[]))
             st.enter_context(torch.no_grad())
             st.enter_context(torch.autocast("cpu", enabled=False))
+            st.enter_context(_tensors_restored(module))
             st.enter_context(_reparametrize_module(module, _random_state(module)))
             st.enter_context(_reading_fields(module))
             yield
@@ -541,12 +557,19 @@ def _gated_candidate(module: nn.Module):
     return projs, (acts[0] if acts else None)
 
 
-def _gated_roles(module: nn.Module, projs, act) -> list[tuple[str, str, str, str]]:
-    """Candidate ``(gate, up, down, act)`` names from following one probe call: gate and up
-    take the module's input, down the rest; with an activation child, gate is the projection
-    whose output it takes; without one, each order with each known activation function."""
+def _weight_of(m: nn.Module) -> torch.Tensor:
+    """A projection's weight: an adapter layer's is its base layer's."""
+    return (m.base_layer if _adapted_linear(m) else m).weight
+
+
+def _gated_roles(module: nn.Module, projs, act) -> list[tuple[str, str, str, str, bool]]:
+    """Candidate ``(gate, up, down, act, up_first)`` from following one probe call: gate and
+    up take the module's input, down the rest; with an activation child, gate is the
+    projection whose output it takes; without one, each order with each known activation
+    function. ``up_first``: the forward calls up before gate (the path that runs the
+    projections as modules calls them in the same order: their dropouts draw in turn)."""
     kids = {n: getattr(module, n) for n in (*projs, *([act] if act else []))}
-    x = _inputs(_in_width(kids[projs[0]]), (kids[projs[0]].weight.dtype,))[0][1]
+    x = _inputs(_in_width(kids[projs[0]]), (_weight_of(kids[projs[0]]).dtype,))[0][1]
     with _probing(module), _recording(kids) as calls:
         type(module).forward(module, x)
     takes_x = [n for n, args, _ in calls if n in projs and args and args[0] is x]
@@ -560,20 +583,30 @@ def _gated_roles(module: nn.Module, projs, act) -> list[tuple[str, str, str, str
         if len(gate) != 1:
             return []
         up = next(n for n in takes_x if n != gate[0])
-        return [(gate[0], up, down[0], act)]
-    return [(g, u, down[0], f) for f in _ACT_FUNCTIONS for g, u in (takes_x, takes_x[::-1])]
+        return [(gate[0], up, down[0], act, takes_x[0] == up)]
+    first, second = takes_x
+    return [(g, u, down[0], f, g == second) for f in _ACT_FUNCTIONS
+            for g, u in ((first, second), (second, first))]  # fmt: skip
 
 
 def _gated_formula(module: nn.Module, roles) -> Callable[[torch.Tensor], torch.Tensor]:
-    gate, up, down, act = roles
+    gate, up, down, act, up_first = roles
     fn = _ACT_FUNCTIONS[act][0] if act in _ACT_FUNCTIONS else getattr(module, act)
     g, u, d = getattr(module, gate), getattr(module, up), getattr(module, down)
+    if up_first:
+
+        def formula(x):
+            ux = u(x)
+            return d(fn(g(x)) * ux)
+
+        return formula
     return lambda x: d(fn(g(x)) * u(x))
 
 
 def gated_mlp(module: nn.Module) -> tuple | str | None:
-    """``(gate, up, down, act)`` names (``act``: an activation child's name or a key of
-    ``_ACT_FUNCTIONS``) when ``module``'s forward is proved to be
+    """``(gate, up, down, act, up_first)`` (names; ``act``: an activation child's name or a key
+    of ``_ACT_FUNCTIONS``; ``up_first``: up is called before gate) when ``module``'s forward
+    is proved to be
     ``down(act(gate(x)) * up(x))``; the reason when a module with that data flow computes
     otherwise; None for a module without it."""
     found = _gated_candidate(module)
@@ -588,8 +621,7 @@ def gated_mlp(module: nn.Module) -> tuple | str | None:
             return None
         if not options:  # not an MLP's data flow (BERT's q, k, v): not a candidate after all
             return None
-        first = getattr(module, projs[0])
-        w = (first.base_layer if _adapted_linear(first) else first).weight
+        w = _weight_of(getattr(module, projs[0]))
         why = None
         for roles in options:
             why = prove(
@@ -619,11 +651,16 @@ class GatedMlp(FusedBlock, nn.Module):
         parts = None if x is None or not self._mesa_block_active(x) else _gated_parts(self)
         if parts is None:
             return super().forward(*args, **kwargs)
-        fused, gp, up, dp, fn, grad_fn, spec = parts
-        if not fused:  # the order of the module's own calls: gate, up, down
+        fused, up_first, gp, up, dp, fn, grad_fn, spec = parts
+        if not fused:  # the projections in the order of the module's own calls
             _warn_unconverted(self, (gp, up, dp))
-            g = gp(x)
-            prod = blocks.GatedProductFn.apply(g, up(x), (fn, backward_for(grad_fn, spec), spec))
+            if up_first:
+                u = up(x)
+                g = gp(x)
+            else:
+                g = gp(x)
+                u = up(x)
+            prod = blocks.GatedProductFn.apply(g, u, (fn, backward_for(grad_fn, spec), spec))
             return dp(prod)
         dtype = autocast_dtype("linear", x.device)
         cfg = (dtype, fn, backward_for(grad_fn, spec), spec)
@@ -658,14 +695,14 @@ def _warn_unconverted(m: nn.Module, layers) -> None:
 
 
 def _gated_parts(m: nn.Module):
-    """``(fused, gate, up, down, fn, grad_fn, spec)`` for the fast path of a recognised gated
+    """``(fused, up_first, gate, up, down, fn, grad_fn, spec)`` for the fast path of a gated
     MLP: ``fused`` when its projections are all converted Linears (one ``GatedMlpFn``), False
     when some are adapter layers around converted Linears (``GatedProductFn``); None for its
     own forward."""
     roles = m.__dict__.get("_mesa_gated")
     if roles is None or not still_proved(m):
         return None
-    gate, up, down, act = roles
+    gate, up, down, act, up_first = roles
     layers = [getattr(m, n) for n in (gate, up, down)]
     fused = all(isinstance(x, Linear) for x in layers)
     # an adapter's base layer carries the setting; the adapter runs as its own module
@@ -689,7 +726,7 @@ def _gated_parts(m: nn.Module):
         # post-norm layers) its gradient sums three terms, in the order only the per-op
         # graph reproduces
         return None
-    return (fused, *layers, fn, grad_fn, spec)
+    return (fused, up_first, *layers, fn, grad_fn, spec)
 
 
 # ---- two-projection MLP (GPT-2's) ----------------------------------------------------------
@@ -835,7 +872,7 @@ def _matcher(find: Callable, key: str, cls: type) -> Callable[[nn.Module], type 
         found = find(module)
         if isinstance(found, tuple):
             module.__dict__[key] = found
-            module.__dict__["_mesa_proved_attrs"] = proved_attrs(module)
+            module.__dict__["_mesa_proved_attrs"] = proved_attrs(module, _adapted_linear)
             return cls
         return found
 

@@ -734,3 +734,47 @@ def test_what_a_proof_read_is_checked_again_on_each_call():
                 change(m, kind, back=True)
             assert fused <= graph(wrapped), (kind, graph(wrapped))
         assert_equal(wrapped(x), plain(x), "forward, the proof's values back")
+
+
+class _SharedAdapter(nn.Module):
+    """An adapter layer (a ``base_layer`` Linear plus a low-rank update) whose down-projection
+    ``a`` is one module shared with another adapter."""
+
+    def __init__(self, base, a):
+        super().__init__()
+        self.base_layer, self.a, self.b = base, a, nn.Linear(4, base.out_features, bias=False)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.b(self.a(x))
+
+
+class _AdaptedGatedMlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        a = nn.Linear(64, 4, bias=False)
+        self.gate_proj = _SharedAdapter(nn.Linear(64, 128), a)
+        self.up_proj = _SharedAdapter(nn.Linear(64, 128), a)
+        self.down_proj, self.act_fn = nn.Linear(128, 64), nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_a_sub_module_shared_by_two_children_keeps_its_tensors():
+    """The probes swap every parameter for a random one and must put each back, also one
+    reached under two names (review of issue 52: the second name restored the probe's
+    tensor, so wrap replaced a trainable weight by random values); the MLP, recognised,
+    runs the product path with the plain model's gradients within the floor."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(_AdaptedGatedMlp())
+    model = copy.deepcopy(plain)
+    before = [(n, p, p.detach().clone()) for n, p in model.named_parameters()]
+    mesa_lite.wrap(model)
+    assert isinstance(model[0], GatedMlp)
+    for (n, p, values), (n2, q) in zip(before, model.named_parameters(), strict=True):
+        assert n == n2 and q is p and torch.equal(q, values), n
+    x = torch.randn(3, 10, 64, generator=torch.Generator().manual_seed(1))
+    plain(x).square().sum().backward()
+    model(x).square().sum().backward()
+    for (n, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        assert sqnr_db(p.grad, q.grad) >= 30, n

@@ -5,6 +5,7 @@ own, and a gated MLP whose projections PEFT adapted still runs its product as on
 (``blocks.GatedProductFn``), so the wrapped model keeps at most 0.3 of plain PEFT's bytes.
 A tiny Llama on the CPU, fp32."""
 
+import copy
 import warnings
 
 import pytest
@@ -143,3 +144,99 @@ def test_a_wrapped_lora_model_keeps_at_most_0_3_of_plain(order, targets):
     assert len(mlp) == 2
     for row in mlp:  # 2 x tokens x intermediate codes, and their fp32 scales (groups of 128)
         assert row.compressed_bytes == 2 * tokens * inter * (1 + 4 / 128), row
+
+
+def test_wrap_leaves_every_tensor_in_place():
+    """The proof's probes put random tensors in place of a module's own and must put every
+    one back: PEFT's VeRA shares its projection buffers between all adapted layers (a
+    sub-module reached under many names), and wrapping must change none of them, nor the
+    loss (review of issue 52, item 4)."""
+    torch.manual_seed(0)
+    model = peft.get_peft_model(
+        tf.LlamaForCausalLM(tiny_lm_config("llama")).train(),
+        peft.VeraConfig(r=8, target_modules=["gate_proj", "up_proj"]),
+    )
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "vera_lambda_b" in n:
+                p.fill_(0.5)  # it starts at 0, which would hide the shared projections
+    before = {k: (v, v.clone()) for k, v in model.state_dict(keep_vars=True).items()}
+    ids = _ids()
+    loss0 = model(input_ids=ids, labels=ids).loss
+    mesa_lite.wrap(model, Config(debug_exact=True))
+    after = model.state_dict(keep_vars=True)
+    assert list(after) == list(before)
+    for k, (obj, values) in before.items():
+        assert after[k] is obj and torch.equal(after[k], values), k
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, loss0)
+
+
+class _UpFirstMlp(torch.nn.Module):
+    """A gated MLP whose forward calls up before gate."""
+
+    def __init__(self, d=64, h=128):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(d, h, bias=False)
+        self.up_proj = torch.nn.Linear(d, h, bias=False)
+        self.down_proj = torch.nn.Linear(h, d, bias=False)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        u = self.up_proj(x)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * u)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_adapted_projections_are_called_in_the_modules_order(order, product_calls):
+    """LoRA's dropout draws in each projection's call: the product path calls up before gate
+    where the module does, so the forward is plain PEFT's under one seed."""
+
+    def build(wrap):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(_UpFirstMlp())
+        if wrap and order != "lora-then-wrap":
+            mesa_lite.wrap(m)
+        config = peft.LoraConfig(r=8, target_modules=["gate_proj", "up_proj"], lora_dropout=0.1)
+        out = peft.get_peft_model(m, config).train()
+        with torch.no_grad():
+            for n, p in out.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(n)))
+        if wrap and order != "wrap-then-lora":
+            mesa_lite.wrap(out)
+        return out
+
+    plain, wrapped = build(False), build(True)
+    x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(7)
+    y0 = plain(x)
+    torch.manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # wrap-then-lora: the adapters are not converted
+        y1 = wrapped(x)
+    assert product_calls
+    assert torch.equal(y0, y1)
+
+
+def test_dora_and_a_second_adapter_keep_the_product_path(product_calls):
+    """DoRA's layers hold a dict of objects (``lora_variant``) and ``add_adapter`` changes the
+    adapters' own attributes: neither is part of what the MLP's proof assumed (the adapter
+    layers are called as black boxes), so the product path keeps running."""
+    plain = peft.get_peft_model(
+        _base(), peft.LoraConfig(r=8, target_modules="all-linear", use_dora=True)
+    )
+    with torch.no_grad():
+        for n, p in plain.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(n)))
+    model = mesa_lite.wrap(copy.deepcopy(plain))
+    loss0, g0 = _grads(plain)
+    loss1, g1 = _grads(model)
+    assert len(product_calls) == 2
+    assert torch.equal(loss0, loss1)
+    for n in g0:
+        assert sqnr_db(g0[n], g1[n]) >= FLOOR, n
+    product_calls.clear()
+    model.add_adapter("second", peft.LoraConfig(r=4, target_modules=["down_proj"]))
+    _grads(model)
+    assert len(product_calls) == 2
