@@ -1,11 +1,12 @@
-"""GELU's math for the dequantize kernel's epilogues (``group_quant.dequantize``): the GELU of a
-rebuilt input (a GELU's output, the next Linear's input) and GELU's backward
-``grad * gelu'(x)`` with ``x`` rebuilt from its codes in registers, so no full-precision copy of
+"""GELU's and SiLU's math for the dequantize kernel's epilogues (``group_quant.dequantize``):
+the activation of a rebuilt input (its output, the next layer's input) and its backward
+``grad * act'(x)`` with ``x`` rebuilt from its codes in registers, so no full-precision copy of
 ``x`` is written and read again.
 
-The formulas are PyTorch's CUDA ones (``GeluCUDAKernelImpl``, forward and backward), in fp32.
-The references are torch's own ``F.gelu`` and ``aten.gelu_backward``; they agree to the fp32
-rounding of ``erf``/``exp``, not bit for bit (different ``erf`` implementations).
+The formulas are PyTorch's CUDA ones (``GeluCUDAKernelImpl``, ``silu_kernel`` and
+``silu_backward_kernel``, forward and backward), in fp32. The references are torch's own
+``F.gelu``, ``aten.gelu_backward``, ``F.silu`` and ``aten.silu_backward``; they agree to the
+fp32 rounding of ``erf``/``exp``, not bit for bit (different ``erf``/``exp`` implementations).
 """
 
 from __future__ import annotations
@@ -45,3 +46,14 @@ if HAS_TRITON:
             cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
             pdf = tl.exp(-0.5 * x * x) * 0.3989422804014327
             return dy * (cdf + x * pdf)
+
+    @triton.jit
+    def silu_fp32(x):
+        """SiLU, ``x / (1 + exp(-x))``."""
+        return x / (1.0 + tl.exp(-x))
+
+    @triton.jit
+    def silu_backward_fp32(x, dy):
+        """``dy * silu'(x)``: ``dy * s * (1 + x * (1 - s))`` with ``s = 1 / (1 + exp(-x))``."""
+        s = 1.0 / (1.0 + tl.exp(-x))
+        return dy * s * (1.0 + x * (1.0 - s))

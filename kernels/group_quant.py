@@ -63,7 +63,7 @@ if HAS_TRITON:  # without it (or without CUDA) the reference runs
     import triton
     import triton.language as tl
 
-    from .gelu import gelu_backward_fp32, gelu_fp32
+    from .gelu import gelu_backward_fp32, gelu_fp32, silu_backward_fp32, silu_fp32
 
     # The compiled kernels' explicit round-to-nearest fp32 ops, as PTX: libdevice's mul_rn /
     # add_rn take the .ftz forms under Triton (which sets nvvm-reflect-ftz), flushing
@@ -541,9 +541,14 @@ if HAS_TRITON:
             v = tl.where(rs == 0.0, m, tl.math.div_rn(v, rs) + m)
         elif EPI == 3 or EPI == 4:
             v = gelu_fp32(round_to(v, MID), EPI == 4)
-        elif EPI >= 5:
+        elif EPI == 5 or EPI == 6:
             dy = tl.load(p1_ptr + offs, mask=mask, other=0.0).to(tl.float32)
             v = gelu_backward_fp32(round_to(v, MID), dy, EPI == 6)
+        elif EPI == 7:
+            v = silu_fp32(round_to(v, MID))
+        elif EPI == 8:
+            dy = tl.load(p1_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            v = silu_backward_fp32(round_to(v, MID), dy)
         return v
 
     @triton.jit
@@ -561,7 +566,8 @@ if HAS_TRITON:
         BITS: tl.constexpr,
         PER_BYTE: tl.constexpr,  # 8 // BITS, a power of two: // and % are shifts and masks
         OUT_BF16: tl.constexpr,
-        # 0 none, 1 affine, 2 unnormalize, 3/4 GELU (erf/tanh), 5/6 GELU backward (erf/tanh)
+        # 0 none, 1 affine, 2 unnormalize, 3/4 GELU (erf/tanh), 5/6 GELU backward (erf/tanh),
+        # 7 SiLU, 8 SiLU backward
         EPI: tl.constexpr,
         HAS_P1: tl.constexpr,
         HAS_P2: tl.constexpr,
@@ -630,7 +636,7 @@ def _code_dtype(signed: bool, bits: int) -> torch.dtype:
     return torch.int8 if (signed and bits == 8) else torch.uint8
 
 
-EPILOGUES = ("affine", "unnormalize", "gelu", "gelu_backward")
+EPILOGUES = ("affine", "unnormalize", "gelu", "gelu_backward", "silu", "silu_backward")
 _GELU_MID = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -679,6 +685,15 @@ def _epilogue_args(epilogue, n: int, dtype: torch.dtype) -> tuple:
         if not isinstance(grad, torch.Tensor) or grad.numel() != n:
             raise ValueError(f"dequantize: gelu_backward needs a gradient of {n} elements")
         return 5 + (approximate == "tanh"), grad, None, 1, True, False, _GELU_MID[dtype]
+    if kind == "silu":
+        if len(epilogue) != 2 or epilogue[1] not in _GELU_MID:
+            raise ValueError(f"dequantize: bad silu epilogue {epilogue!r}")
+        return 7, None, None, 1, False, False, _GELU_MID[epilogue[1]]
+    if kind == "silu_backward":
+        grad = epilogue[1] if len(epilogue) == 2 else None
+        if not isinstance(grad, torch.Tensor) or grad.numel() != n:
+            raise ValueError(f"dequantize: silu_backward needs a gradient of {n} elements")
+        return 8, grad, None, 1, True, False, _GELU_MID[dtype]
     raise ValueError(f"dequantize: epilogue must be one of {EPILOGUES}, got {kind!r}")
 
 
@@ -886,7 +901,8 @@ def dequantize(
             rounded to ``mid`` (the dtype the forward GELU ran in), computed in fp32;
             ``("gelu_backward", approximate, grad)`` gives GELU's input gradient
             ``grad * gelu'(v)``, ``v`` rounded to ``dtype`` (the GELU input's dtype) and
-            ``grad`` (the output gradient, ``numel`` elements in row-major order) read in place.
+            ``grad`` (the output gradient, ``numel`` elements in row-major order) read in place;
+            ``("silu", mid)`` and ``("silu_backward", grad)`` the same for SiLU.
 
     Returns:
         A flat, contiguous tensor with ``numel`` elements.
@@ -949,6 +965,10 @@ def epilogue_ref(v: torch.Tensor, epilogue: tuple | None, dtype: torch.dtype) ->
         rows = v.view(-1, row_len)
         mean, rstd = p1.reshape(-1, 1).float(), p2.reshape(-1, 1).float()
         return torch.where(rstd == 0, mean, rows / rstd + mean).reshape(-1)
+    if epi == 7:
+        return torch.nn.functional.silu(v.to(epilogue[1])).float()
+    if epi == 8:
+        return torch.ops.aten.silu_backward(p1.reshape(-1).to(dtype), v.to(dtype)).float()
     approximate = epilogue[1]
     if epi <= 4:
         return torch.nn.functional.gelu(v.to(epilogue[2]).float(), approximate=approximate)

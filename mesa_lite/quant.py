@@ -251,6 +251,12 @@ def register_step(kind: str, rule: RecipeStep) -> None:
     _STEPS[kind] = rule
 
 
+def silu_backward(p: Packed, grad: torch.Tensor, dtype: torch.dtype):
+    """SiLU's input gradient from the output gradient and ``p``, the SiLU input's codes (no
+    recipe, compressed), in one pass, as ``gelu_backward``."""
+    return stored(p, dtype, ("silu_backward", grad)).view(p.shape)
+
+
 def gelu_backward(p: Packed, grad: torch.Tensor, approximate: str, dtype: torch.dtype):
     """GELU's input gradient from the output gradient and ``p``, the GELU input's codes (no
     recipe, compressed), in one pass: the input is rebuilt in ``dtype`` in registers."""
@@ -351,6 +357,10 @@ def _dequantize_op(
         epi = ("gelu", approximate, mid)
     elif epilogue == "gelu_backward":
         epi = ("gelu_backward", approximate, t1)
+    elif epilogue == "silu":
+        epi = ("silu", mid)
+    elif epilogue == "silu_backward":
+        epi = ("silu_backward", t1)
     else:
         epi = (epilogue, t1, t2)
     return _dequantize(codes, scales, group_size, dtype, bits, signed, numel, epi)
@@ -370,6 +380,10 @@ def _epilogue_op_args(epilogue: tuple | None, dtype: torch.dtype) -> tuple:
         return kind, epilogue[1], None, None, epilogue[2]
     if kind == "gelu_backward":
         return kind, epilogue[1], epilogue[2], None, dtype
+    if kind == "silu":
+        return kind, "none", None, None, epilogue[1]
+    if kind == "silu_backward":
+        return kind, "none", epilogue[1], None, dtype
     return kind, "none", epilogue[1], epilogue[2], dtype
 
 

@@ -14,6 +14,7 @@ directly.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from mesa_lite import quant
 from mesa_lite.config import QuantSpec
@@ -57,6 +58,23 @@ def silu_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten.silu_backward(grad, x)
 
 
+def _silu_first(p: quant.Packed, step: tuple, aux: list, dtype: torch.dtype) -> torch.Tensor:
+    """SiLU's output from the codes of its input, inside the dequantize kernel (exact mode:
+    torch's SiLU on the kept input)."""
+    x_dtype = step[1]
+    if p.spec.exact:
+        return F.silu(p.codes.to(x_dtype).view(p.shape)).to(dtype)
+    return quant.stored(p, dtype, ("silu", x_dtype)).view(p.shape)
+
+
+def _silu_then(h: torch.Tensor, step: tuple, aux: list) -> torch.Tensor:
+    return F.silu(h.to(step[1]))
+
+
+# ("silu", input dtype): a SiLU's output (``F.silu``, whose dtype is its input's)
+quant.register_step("silu", quant.RecipeStep(0, _silu_first, _silu_then, lambda step: step[1]))
+
+
 class ActivationFn(torch.autograd.Function):
     """``fn(x)`` for an elementwise formula ``fn``, keeping ``x`` compressed (or the codes a
     producer registered for it, its recipe extended) and registering them as the rebuildable
@@ -68,8 +86,9 @@ class ActivationFn(torch.autograd.Function):
 
     A GELU formula, compressed, takes GELU's kernels: backward in one pass from the codes, and
     the next op rebuilds the output as GELU of the rebuilt input (a ``gelu`` recipe step) in
-    the dequantize kernel. In the exact (debug) mode every formula is differentiated with
-    autograd, so gradients are the formula's own bit for bit.
+    the dequantize kernel. SiLU (``grad_fn`` ``silu_grad``) likewise (a ``silu`` step; its
+    backward in one pass from codes with no recipe). In the exact (debug) mode every formula
+    is differentiated with autograd, so gradients are the formula's own bit for bit.
     """
 
     @staticmethod
@@ -96,9 +115,12 @@ class ActivationFn(torch.autograd.Function):
                 out_shared = False
         quant.save(ctx, p)
         grad_fn = backward_for(grad_fn, spec)
-        step = (
-            ("gelu", x.dtype, grad_fn) if isinstance(grad_fn, str) else ("act", x.dtype, fn, state)
-        )
+        if isinstance(grad_fn, str):
+            step = ("gelu", x.dtype, grad_fn)
+        elif grad_fn is silu_grad:  # fn is F.silu (no autocast cast: it runs in x's dtype)
+            step = ("silu", x.dtype)
+        else:
+            step = ("act", x.dtype, fn, state)
         if out.shape == x.shape and out_shared:
             if shared is None:
                 quant.share(out, p.derived(step, out.dtype))
@@ -113,6 +135,10 @@ class ActivationFn(torch.autograd.Function):
         (px,) = quant.load(ctx)
         if isinstance(ctx.grad_fn, str):  # GELU's fused backward from the codes
             gx = gelu_input_grad(px, grad.to(ctx.x_dtype), ctx.grad_fn, ctx.x_dtype)
+            return gx, None, None, None, None, None
+        if ctx.grad_fn is silu_grad and not px.recipe and not px.spec.exact:
+            # SiLU's backward in one kernel: the input rebuilt from its codes in registers
+            gx = quant.silu_backward(px, grad.to(ctx.x_dtype), ctx.x_dtype)
             return gx, None, None, None, None, None
         x = quant.dequantize(px, ctx.x_dtype)
         grad_x = activation_grad(ctx.fn, ctx.grad_fn, ctx.state, x, grad)

@@ -150,6 +150,47 @@ def test_dequantize_gelu_and_gelu_backward(dtype, approximate, triton_device):
     assert_equal(gr, exact, "reference is aten's gelu_backward on the rebuilt input")
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_dequantize_silu_and_silu_backward(dtype, bits, triton_device):
+    """SiLU's epilogues (issue 51): the kernel within a few ulps of the reference (``exp``
+    differs), and the reference is torch's F.silu / aten.silu_backward on the rebuilt input
+    bit for bit."""
+    x = _x((3, 333), dtype, triton_device, scale=4.0)
+    kw = dict(bits=bits, signed=True, numel=x.numel())
+    codes, scales = gq.quantize(x, 128, use_triton=True, bits=bits)
+    cpu_codes, cpu_scales = codes.cpu(), scales.cpu()
+    epi = ("silu", dtype)
+    out = gq.dequantize(codes, scales, 128, dtype, use_triton=True, epilogue=epi, **kw)
+    ref = gq.dequantize_ref(cpu_codes, cpu_scales, 128, dtype, epilogue=epi, **kw)
+    tol = 4 * _ulps(dtype)
+    atol = tol * ref.abs().max().item()  # silu(x) ~ x / 2 near 0: relative error grows there
+    torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=tol, atol=atol)
+    xq = gq.dequantize_ref(cpu_codes, cpu_scales, 128, dtype, **kw).view(x.shape)
+    assert_equal(ref, torch.nn.functional.silu(xq).view(-1), "reference is F.silu")
+    grad = _x(x.shape, dtype, triton_device, seed=4)
+    gk = gq.dequantize(codes, scales, 128, dtype, use_triton=True,
+                       epilogue=("silu_backward", grad), **kw)  # fmt: skip
+    gr = gq.dequantize_ref(cpu_codes, cpu_scales, 128, dtype,
+                           epilogue=("silu_backward", grad.cpu()), **kw)  # fmt: skip
+    assert gk.shape == (x.numel(),) and gk.dtype == dtype
+    # near silu'(x) = 0 (x ~ -1.28) the sum cancels: an absolute bound on the grad's scale
+    tol = max(tol, 1e-5)
+    atol = tol * grad.abs().max().item()
+    torch.testing.assert_close(gk.cpu().float(), gr.float(), rtol=tol, atol=atol)
+    exact = torch.ops.aten.silu_backward(grad.cpu(), xq)
+    assert_equal(gr.view(x.shape), exact, "reference is aten's silu_backward")
+
+
+def test_silu_backward_keeps_non_finite(triton_device):
+    x = _x((2, 128), torch.float32, triton_device)
+    x[0, 0] = float("nan")
+    codes, scales = gq.quantize(x, 128, use_triton=True)
+    epi = ("silu_backward", torch.ones_like(x))
+    g = gq.dequantize(codes, scales, 128, torch.float32, use_triton=True, epilogue=epi)
+    assert g.view(2, 128)[0].isnan().all() and g.view(2, 128)[1].isfinite().all()
+
+
 def test_gelu_backward_keeps_non_finite(triton_device):
     x = _x((2, 128), torch.float32, triton_device)
     x[0, 0] = float("nan")
@@ -176,6 +217,10 @@ def test_epilogue_argument_errors():
         gq.dequantize(codes, scales, 8, torch.float32, epilogue=epi)
     with pytest.raises(ValueError, match="bad gelu epilogue"):
         gq.dequantize(codes, scales, 8, torch.float32, epilogue=("gelu", "erf", torch.float32))
+    with pytest.raises(ValueError, match="bad silu epilogue"):
+        gq.dequantize(codes, scales, 8, torch.float32, epilogue=("silu", "tanh"))
+    with pytest.raises(ValueError, match="silu_backward needs a gradient of 32 elements"):
+        gq.dequantize(codes, scales, 8, torch.float32, epilogue=("silu_backward", torch.ones(3)))
 
 
 def test_launcher_key_follows_triton_specialization():

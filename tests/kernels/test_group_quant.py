@@ -408,7 +408,8 @@ def test_packed_lanes_give_the_bytes_and_values_of_the_reshaped_tile(
     if bits == 4:
         cases.append(dict(signed=False, positive=True))
     epilogues = [None, ("affine", weight, None), ("unnormalize", *stats),
-                 ("gelu", "tanh", dtype), ("gelu_backward", "none", grad)]  # fmt: skip
+                 ("gelu", "tanh", dtype), ("gelu_backward", "none", grad),
+                 ("silu", dtype), ("silu_backward", grad)]  # fmt: skip
     for kwargs in cases:
         results = []
         state = gq.rounding_state()
