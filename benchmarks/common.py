@@ -419,6 +419,91 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def memory_history(step, device) -> list[dict]:
+    """Runs ``step()`` once on a CUDA ``device`` with the caching allocator's history on
+    (``torch.cuda.memory._record_memory_history``, Python frames of each allocation) and
+    returns that device's trace: the allocation and free events of the call, in order."""
+    torch.cuda.synchronize(device)
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        step()
+        torch.cuda.synchronize(device)
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    return snapshot["device_traces"][device.index or 0]
+
+
+# code whose frames name an allocation (the innermost of them), in peak_memory.py's and
+# llm_memory.py's traces
+OWN = ("mesa_lite/", "kernels/", "timm/", "transformers/", "benchmarks/")
+
+
+def frame_label(frames: list[dict]) -> str:
+    """The innermost frame from our code or timm, as file:line function, or from Inductor's
+    generated code, with that line's source (``buf12 = empty_strided_cuda(...)``); else the
+    engine."""
+    import linecache
+
+    for f in frames:
+        name = f.get("filename", "")
+        if "torchinductor" in name:  # a compiled graph's generated wrapper code
+            line = linecache.getline(name, f.get("line") or 0).strip()[:90]
+            return f"inductor {name.rsplit('/', 1)[-1]}:{f.get('line')} {line}"
+        if (
+            any(key in name for key in OWN)
+            and "peak_memory.py" not in name
+            and not name.endswith("benchmarks/common.py")
+        ):
+            short = name[max(name.rfind(k) for k in OWN if k in name) :]
+            return f"{short}:{f.get('line')} {f.get('name')}"
+    return "autograd engine / torch internals (no Python frame of ours)"
+
+
+def live_at_peak(trace: list[dict]) -> tuple[int, int, dict[int, tuple[int, str]]]:
+    """Replays alloc/free events from the start of recording.
+
+    Returns (peak bytes relative to the start, bytes of blocks from before the start freed by
+    then, blocks allocated since the start and alive at the peak: addr -> (size, label)).
+    Frees of blocks allocated before recording (the previous step's gradients, freed by
+    ``zero_grad``) lower the total too.
+    """
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = peak_at = 0
+    for i, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = (ev["size"], "")
+            total += ev["size"]
+            if total > peak:
+                peak, peak_at = total, i
+        elif ev["action"] == "free_completed":
+            total -= live.pop(ev["addr"])[0] if ev["addr"] in live else ev["size"]
+    live.clear()
+    freed_before = 0
+    for ev in trace[: peak_at + 1]:  # second pass: the live set at the peak, with labels
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = (ev["size"], frame_label(ev.get("frames", [])))
+        elif ev["action"] == "free_completed":
+            if ev["addr"] in live:
+                live.pop(ev["addr"])
+            else:
+                freed_before += ev["size"]
+    return peak, freed_before, live
+
+
+def live_sites(live: dict[int, tuple[int, str]], top: int | None = None) -> list[dict]:
+    """``live_at_peak``'s blocks grouped by label, largest first: ``site``, ``bytes``,
+    ``count`` (at most ``top``)."""
+    groups: dict[str, list[int]] = {}
+    for size, label in live.values():
+        entry = groups.setdefault(label, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    rows = [{"site": k, "bytes": b, "count": c} for k, (b, c) in groups.items()]
+    rows.sort(key=lambda r: (-r["bytes"], r["site"]))
+    return rows if top is None else rows[:top]
+
+
 class StepTimer:
     """Times steps with CUDA events on a GPU, a synchronized wall clock otherwise."""
 

@@ -55,8 +55,11 @@ from .common import (
     autocast,
     hf_checkpointing_enable,
     lazy_import,
+    live_at_peak,
+    live_sites,
     markdown_table,
     measure_row,
+    memory_history,
     nonnegative_int,
     positive_int,
     resolve_device,
@@ -135,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hold an exclusive lock on FILE while timing steps, so that processes "
                    "run side by side (one per model: Inductor compiles on the host) time one at "
                    "a time")  # fmt: skip
+    p.add_argument("--timeline", type=nonnegative_int, default=0, metavar="N",
+                   help="on a GPU, one more step per row with the allocator's history on: "
+                   "the N largest allocation sites alive at that step's peak (file:line of "
+                   "the Python frame, Inductor's generated code included), in PREFIX.md "
+                   "(default 0: none)")  # fmt: skip
     add_device_argument(p)
     add_out_argument(p, "llm_memory", "PREFIX.jsonl and .md")
     return p
@@ -266,7 +274,17 @@ def measure(name: str, mode: str, config, ids, labels, args) -> dict:
                     loss = breakdown.train_step(model, step_fn, opt, set_to_none=False)
     mib = lambda v: None if v is None else v / MIB  # noqa: E731
     gpu = bd.peak is not None
+    timeline = {}
+    if args.timeline and device.type == "cuda":
+        trace = memory_history(
+            lambda: breakdown.train_step(model, step_fn, opt, set_to_none=False), device
+        )
+        rise, _, live = live_at_peak(trace)
+        timeline = {"timeline_peak_mib": rise / MIB,
+                    "peak_sites": [{**r, "mib": r["bytes"] / MIB}
+                                   for r in live_sites(live, args.timeline)]}  # fmt: skip
     return {
+        **timeline,
         "peak_mib": mib(bd.peak),
         # forward and backward only: the optimizer step's temporaries are not activations
         "activation_mib": mib(bd.peak_training - bd.before_forward) if gpu else None,
@@ -402,8 +420,27 @@ def run(argv=None) -> list[dict]:
         + terms_table(rows, all_terms, gpu)
         + "\n"
     )
+    text += timeline_text(rows)
     out.write_report(rows, text)
     return rows
+
+
+def timeline_text(rows: list[dict]) -> str:
+    """For each row measured with ``--timeline``: the allocation sites alive at the traced
+    step's peak."""
+    parts = []
+    for r in rows:
+        if not r.get("peak_sites"):
+            continue
+        parts.append(
+            f"\n{r['model']}, {r['mode']}: {r['timeline_peak_mib']:,.0f} MiB allocated during one "
+            "step at its peak (over what was allocated before it); alive then, by site:\n\n"
+            + markdown_table(
+                r["peak_sites"],
+                [("site", "site", "s"), ("mib", "MiB", ",.1f"), ("count", "allocations", "d")],
+            )  # fmt: skip
+        )
+    return "".join(parts)
 
 
 def _environment(device) -> dict:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
-from collections import defaultdict
 
 if __package__ in (None, ""):  # run as a script: import the rest from the installed package
     __package__ = "mesa_lite.benchmarks"
@@ -32,8 +31,12 @@ from .common import (
     add_out_argument,
     argument_parser,
     check_timm_models,
+    frame_label,  # noqa: F401 - part of this script's interface (tests)
     lazy_import,
+    live_at_peak,
+    live_sites,
     markdown_table,
+    memory_history,
     nonnegative_int,
     positive_int,
     progress,
@@ -45,56 +48,6 @@ from .deit_memory import _train_step, make_model
 
 torch = lazy_import("torch")
 
-OWN = ("mesa_lite/", "kernels/", "timm/", "benchmarks/")
-
-
-def frame_label(frames: list[dict]) -> str:
-    """The innermost frame from our code or timm, as file:line function, or from Inductor's
-    generated code, with that line's source (``buf12 = empty_strided_cuda(...)``); else the
-    engine."""
-    import linecache
-
-    for f in frames:
-        name = f.get("filename", "")
-        if "torchinductor" in name:  # a compiled graph's generated wrapper code
-            line = linecache.getline(name, f.get("line") or 0).strip()[:90]
-            return f"inductor {name.rsplit('/', 1)[-1]}:{f.get('line')} {line}"
-        if any(key in name for key in OWN) and "peak_memory.py" not in name:
-            short = name[max(name.rfind(k) for k in OWN if k in name) :]
-            return f"{short}:{f.get('line')} {f.get('name')}"
-    return "autograd engine / torch internals (no Python frame of ours)"
-
-
-def live_at_peak(trace: list[dict]) -> tuple[int, int, dict[int, tuple[int, str]]]:
-    """Replays alloc/free events from the start of recording.
-
-    Returns (peak bytes relative to the start, bytes of blocks from before the start freed by
-    then, blocks allocated since the start and alive at the peak: addr -> (size, label)).
-    Frees of blocks allocated before recording (the previous step's gradients, freed by
-    ``zero_grad``) lower the total too.
-    """
-    live: dict[int, tuple[int, str]] = {}
-    total = peak = peak_at = 0
-    for i, ev in enumerate(trace):
-        if ev["action"] == "alloc":
-            live[ev["addr"]] = (ev["size"], "")
-            total += ev["size"]
-            if total > peak:
-                peak, peak_at = total, i
-        elif ev["action"] == "free_completed":
-            total -= live.pop(ev["addr"])[0] if ev["addr"] in live else ev["size"]
-    live.clear()
-    freed_before = 0
-    for ev in trace[: peak_at + 1]:  # second pass: the live set at the peak, with labels
-        if ev["action"] == "alloc":
-            live[ev["addr"]] = (ev["size"], frame_label(ev.get("frames", [])))
-        elif ev["action"] == "free_completed":
-            if ev["addr"] in live:
-                live.pop(ev["addr"])
-            else:
-                freed_before += ev["size"]
-    return peak, freed_before, live
-
 
 def profile(model, x, y, dtype, warmup: int) -> dict:
     device = x.device
@@ -105,25 +58,14 @@ def profile(model, x, y, dtype, warmup: int) -> dict:
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
-    try:
-        _train_step(model, opt, scaler, x, y, dtype)
-        torch.cuda.synchronize(device)
-        snap = torch.cuda.memory._snapshot()
-    finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
-    trace = snap["device_traces"][device.index or 0]
+    trace = memory_history(lambda: _train_step(model, opt, scaler, x, y, dtype), device)
     rise, freed_before, live = live_at_peak(trace)
-    groups: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for size, label in live.values():
-        groups[label][0] += size
-        groups[label][1] += 1
     return {
         "before": before,
         "before_at_peak": before - freed_before,
         "peak_replayed": before + rise,
         "peak_measured": torch.cuda.max_memory_allocated(device),
-        "groups": sorted(groups.items(), key=lambda kv: -kv[1][0]),
+        "groups": [(r["site"], [r["bytes"], r["count"]]) for r in live_sites(live)],
     }
 
 

@@ -4,7 +4,7 @@
 # ./out, a fixed folder: the GPU results committed in benchmarks/results/ were copied from it).
 #   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|main|coverage|speed-compiled|
 #     speed-compiled-options|speed-compiled-others|speed-eager|speed-tests|kernel-bw|kernel-tests|launch|
-#     compile-check|llm-compiled|cnn|llm|text|dist|all]
+#     compile-check|session-check|llm-compiled|llm-timeline|cnn|llm|text|dist|all]
 #   [extra deit_memory args...]
 # suite: the whole test suite (CPU and CUDA parametrizations), in parallel processes.
 # main: the Quickstart's main job as a new user runs it (python benchmarks/deit_memory.py, its
@@ -178,6 +178,37 @@ if [[ $what == compile-check ]]; then
   rm -f "$OUT"/cc_*.md "$OUT"/cc_*.jsonl
   tar czf "$OUT/compile_check_logs.tgz" -C "$OUT" $(cd "$OUT" && ls cc_*.log) && rm -f "$OUT"/cc_*.log
   cat "$OUT/compile_check_gpu.md"
+fi
+if [[ $what == session-check ]]; then
+  # after a change to ops, quant, kernels or compile (about 6 minutes on an H100): the quantize
+  # kernel tests compiled (three processes), the fused-kernel and epilogue tests, the CUDA tests
+  # of the language-model paths (dropout attention, the fused head), beside the family training
+  # check; every log's last line and failures in session_check.txt
+  W=/tmp/session_check
+  mkdir -p "$W"
+  i=0
+  for k in "float32" "float16 and not bfloat16" "not float32 and not float16"; do
+    timeout 330 python3 -m pytest -q -p no:warnings -p no:cacheprovider \
+      tests/kernels/test_group_quant.py -k "$k" > "$W/group_quant_$i.txt" 2>&1 &
+    i=$((i + 1))
+  done
+  timeout 330 python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/kernels/test_fused.py \
+    -k "(float16 and not bfloat16) or silu or epilogue" > "$W/fused.txt" 2>&1 &
+  timeout 330 python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/test_attention.py \
+    tests/models/test_transformers.py tests/models/test_fused_head.py \
+    tests/test_linear_cross_entropy.py -k "dropout or cuda or fused" > "$W/lm_cuda.txt" 2>&1 &
+  timeout 330 bash "$0" compile-check > "$W/compile_check.txt" 2>&1
+  wait
+  for f in "$W"/*.txt; do echo "$(basename "$f"): $(tail -n 1 "$f")"; grep -h "^FAILED" "$f" | head -n 8; done \
+    | tee "$OUT/session_check.txt"
+  grep "^|" "$W/compile_check.txt" | tee -a "$OUT/session_check.txt"
+fi
+if [[ $what == llm-timeline ]]; then
+  # issue 52: where compiled GPT-2 small's activation peak goes (a forward transient of about
+  # 2.7 GB on the H100 of 2026-12-05): one traced step per row, the allocation sites alive at
+  # its peak (eager int8 beside compiled int8)
+  python3 benchmarks/llm_memory.py --models gpt2 --batch 8 --seq 1024 --steps 2 \
+    --modes int8 int8-compiled --timeline 15 --out "$OUT/llm_timeline_gpt2" 2>&1 | grep -A 20 "by site"
 fi
 if [[ $what == llm-compiled ]]; then
   # issue 38: compiled language models (bf16, same run): compiled plain, mesa_lite compiled,

@@ -337,3 +337,28 @@ def test_step_spread_and_the_noise_warning():
     assert warning.startswith(f"WARNING: step times varied beyond {NOISE:.0%}")
     assert "mesa int8 25%" in warning and "plain" not in warning
     assert noise_warning(rows[:1]) is None
+
+
+def test_live_sites_group_the_blocks_alive_at_the_peak():
+    """llm_memory.py --timeline's table: live_at_peak's blocks by allocation site, largest
+    first; a Hugging Face frame names its site."""
+    from mesa_lite.benchmarks import common
+
+    hf = [{"filename": "/x/site-packages/transformers/models/gpt2/modeling_gpt2.py",
+           "line": 9, "name": "forward"}]  # fmt: skip
+    ours = [{"filename": "/x/site-packages/mesa_lite/blocks.py", "line": 3, "name": "forward"}]
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 10, "frames": hf},
+        {"action": "alloc", "addr": 2, "size": 30, "frames": ours},
+        {"action": "alloc", "addr": 3, "size": 15, "frames": hf},
+        {"action": "free_completed", "addr": 2, "size": 30},
+        {"action": "alloc", "addr": 4, "size": 1, "frames": ours},
+    ]
+    peak, _, live = common.live_at_peak(trace)
+    assert peak == 55 and sorted(live) == [1, 2, 3]
+    rows = common.live_sites(live)
+    assert rows == [
+        {"site": "mesa_lite/blocks.py:3 forward", "bytes": 30, "count": 1},
+        {"site": "transformers/models/gpt2/modeling_gpt2.py:9 forward", "bytes": 25, "count": 2},
+    ]
+    assert common.live_sites(live, top=1) == rows[:1]
