@@ -676,10 +676,15 @@ class GatedMlp(FusedBlock, nn.Module):
 
 
 def _warn_unconverted(m: nn.Module, layers) -> None:
-    """Warns once per gated MLP whose adapter layers hold linear layers ``wrap`` has not
-    converted (PEFT's adapters added after ``wrap``): they keep their inputs in full."""
-    key = tuple(id(x) for x in layers)
-    if torch.compiler.is_compiling() or m.__dict__.get("_mesa_adapters_checked") == key:
+    """Warns once per gated MLP and set of adapters whose adapter layers hold linear layers
+    ``wrap`` has not converted (PEFT's adapters added after ``wrap``, or by ``add_adapter``
+    after it): those that run keep their inputs in full."""
+    if torch.compiler.is_compiling():
+        return
+    # the layers, and how many modules the adapters hold (PEFT's add_adapter adds some)
+    key = (*(id(x) for x in layers),
+           sum(1 for x in layers if _adapted_linear(x) for _ in x.modules()))  # fmt: skip
+    if m.__dict__.get("_mesa_adapters_checked") == key:
         return
     m.__dict__["_mesa_adapters_checked"] = key
     plain = [n for x in layers if _adapted_linear(x) for n, c in x.named_modules()
@@ -687,9 +692,9 @@ def _warn_unconverted(m: nn.Module, layers) -> None:
     if plain:
         warnings.warn(
             f"mesa_lite: {type(m).__name__}'s adapter layers hold linear layers wrap has not "
-            f"converted ({', '.join(plain[:3])}): they keep their inputs in full. Adapters "
-            "added after wrap (PEFT's get_peft_model) are converted by calling "
-            "mesa_lite.wrap(model) again.",
+            f"converted ({', '.join(plain[:3])}): those that run keep their inputs in full. "
+            "Adapters added after wrap (PEFT's get_peft_model or add_adapter) are converted "
+            "by calling mesa_lite.wrap(model) again.",
             stacklevel=3,
         )
 
