@@ -965,8 +965,8 @@ def epilogue_ref(v: torch.Tensor, epilogue: tuple | None, dtype: torch.dtype) ->
         rows = v.view(-1, row_len)
         mean, rstd = p1.reshape(-1, 1).float(), p2.reshape(-1, 1).float()
         return torch.where(rstd == 0, mean, rows / rstd + mean).reshape(-1)
-    if epi == 7:
-        return torch.nn.functional.silu(v.to(epilogue[1])).float()
+    if epi == 7:  # as GELU's: SiLU in fp32 of the input rounded to mid
+        return torch.nn.functional.silu(v.to(epilogue[1]).float())
     if epi == 8:
         return torch.ops.aten.silu_backward(p1.reshape(-1).to(dtype), v.to(dtype)).float()
     approximate = epilogue[1]

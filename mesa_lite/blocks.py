@@ -26,7 +26,12 @@ import torch.nn.functional as F
 
 from mesa_lite import quant
 from mesa_lite.config import QuantSpec
-from mesa_lite.ops.activation import activation_grad, autocast_state, run_activation
+from mesa_lite.ops.activation import (
+    activation_grad,
+    autocast_state,
+    run_activation,
+    silu_grad,
+)
 from mesa_lite.ops.attention import (
     _keep_in_memory_order,
     _restore,
@@ -447,8 +452,12 @@ class MlpFn(torch.autograd.Function):
         need_a = n[0] or n[1] or n[2]
         if packed is not None:
             grad = dropout_backward(grad, packed, ctx.drop)
-        if isinstance(grad_fn, str):  # a GELU formula: GELU's output from the codes
+        # the activation's output from the codes: GELU's and SiLU's in the dequantize kernel
+        silu = grad_fn is silu_grad and not pa.spec.exact
+        if isinstance(grad_fn, str):
             step = ("gelu", a_dtype, grad_fn)
+        elif silu:  # fn is F.silu
+            step = ("silu", a_dtype)
         else:
             step = ("act", a_dtype, fn, ctx.state)
 
@@ -463,6 +472,8 @@ class MlpFn(torch.autograd.Function):
             g_h = g_hc.to(h_dtype)
             if isinstance(grad_fn, str):
                 g_a = gelu_input_grad(pa, g_h.to(a_dtype), grad_fn, a_dtype)
+            elif silu:  # SiLU's backward in one kernel, from the codes
+                g_a = quant.silu_backward(pa, g_h.to(a_dtype), a_dtype)
             else:
                 a = quant.dequantize(pa, a_dtype)
                 g_a = activation_grad(fn, grad_fn, ctx.state, a, g_h)

@@ -778,3 +778,34 @@ def test_a_sub_module_shared_by_two_children_keeps_its_tensors():
     model(x).square().sum().backward()
     for (n, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
         assert sqnr_db(p.grad, q.grad) >= 30, n
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["int8", "debug_exact"])
+def test_a_silu_mlp_takes_silus_kernels(exact, monkeypatch):
+    """An MLP proved as ``Mlp`` with a SiLU rebuilds SiLU's output (fc2's input) and computes
+    SiLU's backward in the dequantize kernel's SiLU epilogues, as GELU's; the gradients are
+    plain's within the int8 floor, and bit for bit in debug_exact (review of issue 51)."""
+    from mesa_lite.kernels import group_quant as gq
+
+    kinds = []
+    dequantize = gq.dequantize
+
+    def spy(*args, epilogue=None, **kwargs):
+        kinds.append(epilogue[0] if epilogue else "plain")
+        return dequantize(*args, epilogue=epilogue, **kwargs)
+
+    monkeypatch.setattr(gq, "dequantize", spy)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(64, 256), nn.SiLU(), nn.Linear(256, 64))
+    model = mesa_lite.wrap(copy.deepcopy(plain), mesa_lite.Config(debug_exact=exact))
+    assert isinstance(model, Mlp)
+    x = torch.randn(8, 10, 64, generator=torch.Generator().manual_seed(1))
+    plain(x).square().sum().backward()
+    model(x).square().sum().backward()
+    if not exact:
+        assert sorted(kinds) == ["plain", "silu", "silu_backward"], kinds
+    for (n, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        if exact:
+            assert_equal(q.grad, p.grad, n)
+        else:
+            assert sqnr_db(p.grad, q.grad) >= 30, n

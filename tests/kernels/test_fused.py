@@ -168,6 +168,13 @@ def test_dequantize_silu_and_silu_backward(dtype, bits, triton_device):
     torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=tol, atol=atol)
     xq = gq.dequantize_ref(cpu_codes, cpu_scales, 128, dtype, **kw).view(x.shape)
     assert_equal(ref, torch.nn.functional.silu(xq).view(-1), "reference is F.silu")
+    if dtype != torch.float32:  # a wider output than SiLU's dtype: fp32 SiLU, rounded once
+        wide = gq.dequantize(codes, scales, 128, torch.float32, use_triton=True, epilogue=epi,
+                             **kw)  # fmt: skip
+        wide_ref = gq.dequantize_ref(cpu_codes, cpu_scales, 128, torch.float32, epilogue=epi,
+                                     **kw)  # fmt: skip
+        torch.testing.assert_close(wide.cpu(), wide_ref, rtol=4 * _ulps(torch.float32) * 4,
+                                   atol=1e-6 * wide_ref.abs().max().item())  # fmt: skip
     grad = _x(x.shape, dtype, triton_device, seed=4)
     gk = gq.dequantize(codes, scales, 128, dtype, use_triton=True,
                        epilogue=("silu_backward", grad), **kw)  # fmt: skip
