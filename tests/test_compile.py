@@ -401,3 +401,25 @@ def test_fullgraph_with_mesa_checkpointing_is_refused_by_name():
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     compiled(x).float().square().mean().backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("act", ["silu", "relu"])
+def test_in_place_activation_after_a_linear_on_3d_input_compiles(act, backend):
+    """F.linear on 3-D input returns a view of its 2-D product; a Function's view output may
+    not be changed in place, so an in-place SiLU or ReLU right after a wrapped Linear failed
+    to compile ("a view ... being modified inplace", review of 2026-12-05). The Functions
+    return it through _unsafe_view under compile; gradients as eager mode's."""
+    torch.manual_seed(0)
+    layer = torch.nn.SiLU(inplace=True) if act == "silu" else torch.nn.ReLU(inplace=True)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), layer, torch.nn.Linear(16, 4))
+    eager = mesa_lite.wrap(copy.deepcopy(plain))
+    compiled = mesa_lite.compile(copy.deepcopy(eager), backend=backend, fullgraph=True,
+                                 in_place=True)  # fmt: skip
+    x = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(1))
+    for m in (plain, eager, compiled):
+        m(x).square().sum().backward()
+    for (n, p), e, c in zip(plain.named_parameters(), eager.parameters(), compiled.parameters(),
+                            strict=True):  # fmt: skip
+        assert sqnr_db(p.grad, e.grad) >= 30, n
+        assert sqnr_db(e.grad, c.grad) >= 30, n

@@ -163,10 +163,14 @@ def fresh(out: torch.Tensor) -> torch.Tensor:
     """A Function's output that is a view of a tensor made inside it (``F.linear`` on 3-D input,
     a folded matmul, an attention backend's transposed output), as a non-view alias of the same
     memory: autograd forbids in-place ops on views made inside a custom Function, while torch's
-    own ops allow them on their outputs."""
-    if torch.compiler.is_compiling():  # views and in-place ops are the compiler's business
+    own ops allow them on their outputs (an in-place ReLU or SiLU after a Linear). Under
+    torch.compile through ``_unsafe_view``, which the compiler does not treat as a view (as
+    ``F.linear`` itself returns its 3-D output), and which copies nothing."""
+    if out._base is None:
         return out
-    return out.detach() if out._base is not None else out
+    if torch.compiler.is_compiling():
+        return torch.ops.aten._unsafe_view(out, out.shape)
+    return out.detach()
 
 
 # ReLU outputs offered to a consumer: id(storage owner) -> (owner ref, version, offset, shape,
