@@ -7,6 +7,7 @@ Parameters, buffers, hooks and state_dict keys stay the same; ``to_original`` sw
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import ClassVar
 
@@ -204,16 +205,8 @@ def held_object(value) -> bool:
 
 def _value_copy(value):
     """What to compare a value with later: plain values as they are, a container's contents
-    copied (containers inside it too), anything else by identity: an object a container
-    holds compares by identity (PEFT's ``lora_variant`` dict of objects), so a deep copy of
-    it would never compare equal."""
-    if isinstance(value, dict):
-        return {k: _value_copy(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_value_copy(v) for v in value]
-    if isinstance(value, set):
-        return set(value)
-    return value
+    copied, anything else by identity."""
+    return copy.deepcopy(value) if isinstance(value, _CONTAINERS) else value
 
 
 def record_read(obj, name: str, value) -> None:
@@ -248,7 +241,7 @@ def _snapshot(value):
     (``config.use_cache = False`` after wrap, which Hugging Face scripts do) leaves fusion on;
     None for anything else."""
     if isinstance(value, _CONTAINERS):
-        return _value_copy(value)
+        return copy.deepcopy(value)
     if held_object(value):
         obj, reads = FIELD_READS.get(id(value), (None, None))
         if obj is value and reads:
