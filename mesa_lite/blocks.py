@@ -31,6 +31,7 @@ from mesa_lite.ops.activation import (
     autocast_state,
     run_activation,
     silu_grad,
+    silu_input_grad,
 )
 from mesa_lite.ops.attention import (
     _keep_in_memory_order,
@@ -453,10 +454,9 @@ class MlpFn(torch.autograd.Function):
         if packed is not None:
             grad = dropout_backward(grad, packed, ctx.drop)
         # the activation's output from the codes: GELU's and SiLU's in the dequantize kernel
-        silu = grad_fn is silu_grad and not pa.spec.exact
         if isinstance(grad_fn, str):
             step = ("gelu", a_dtype, grad_fn)
-        elif silu:  # fn is F.silu
+        elif grad_fn is silu_grad:  # fn is F.silu
             step = ("silu", a_dtype)
         else:
             step = ("act", a_dtype, fn, ctx.state)
@@ -472,8 +472,8 @@ class MlpFn(torch.autograd.Function):
             g_h = g_hc.to(h_dtype)
             if isinstance(grad_fn, str):
                 g_a = gelu_input_grad(pa, g_h.to(a_dtype), grad_fn, a_dtype)
-            elif silu:  # SiLU's backward in one kernel, from the codes
-                g_a = quant.silu_backward(pa, g_h.to(a_dtype), a_dtype)
+            elif grad_fn is silu_grad:
+                g_a = silu_input_grad(pa, g_h.to(a_dtype), a_dtype)
             else:
                 a = quant.dequantize(pa, a_dtype)
                 g_a = activation_grad(fn, grad_fn, ctx.state, a, g_h)

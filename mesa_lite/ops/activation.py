@@ -75,6 +75,14 @@ def _silu_then(h: torch.Tensor, step: tuple, aux: list) -> torch.Tensor:
 quant.register_step("silu", quant.RecipeStep(0, _silu_first, _silu_then, lambda step: step[1]))
 
 
+def silu_input_grad(px: quant.Packed, grad: torch.Tensor, x_dtype: torch.dtype) -> torch.Tensor:
+    """SiLU's input gradient from the kept input ``px`` (rebuilt in ``x_dtype``), as
+    ``gelu_input_grad``: one kernel from codes with no recipe, else the rebuilt input."""
+    if not px.recipe and not px.spec.exact:  # one kernel: x is rebuilt in registers
+        return quant.silu_backward(px, grad, x_dtype)
+    return silu_grad(grad, quant.dequantize(px, x_dtype))
+
+
 class ActivationFn(torch.autograd.Function):
     """``fn(x)`` for an elementwise formula ``fn``, keeping ``x`` compressed (or the codes a
     producer registered for it, its recipe extended) and registering them as the rebuildable
@@ -136,9 +144,8 @@ class ActivationFn(torch.autograd.Function):
         if isinstance(ctx.grad_fn, str):  # GELU's fused backward from the codes
             gx = gelu_input_grad(px, grad.to(ctx.x_dtype), ctx.grad_fn, ctx.x_dtype)
             return gx, None, None, None, None, None
-        if ctx.grad_fn is silu_grad and not px.recipe and not px.spec.exact:
-            # SiLU's backward in one kernel: the input rebuilt from its codes in registers
-            gx = quant.silu_backward(px, grad.to(ctx.x_dtype), ctx.x_dtype)
+        if ctx.grad_fn is silu_grad:  # SiLU's likewise
+            gx = silu_input_grad(px, grad.to(ctx.x_dtype), ctx.x_dtype)
             return gx, None, None, None, None, None
         x = quant.dequantize(px, ctx.x_dtype)
         grad_x = activation_grad(ctx.fn, ctx.grad_fn, ctx.state, x, grad)
