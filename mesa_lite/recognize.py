@@ -589,18 +589,25 @@ def _gated_roles(module: nn.Module, projs, act) -> list[tuple[str, str, str, str
             for g, u in ((first, second), (second, first))]  # fmt: skip
 
 
+def _gate_and_up(gate: nn.Module, up: nn.Module, x: torch.Tensor, up_first: bool):
+    """``(gate(x), up(x))``, called in the module's own order (their dropouts draw in turn)."""
+    if up_first:
+        u = up(x)
+        return gate(x), u
+    g = gate(x)
+    return g, up(x)
+
+
 def _gated_formula(module: nn.Module, roles) -> Callable[[torch.Tensor], torch.Tensor]:
     gate, up, down, act, up_first = roles
     fn = _ACT_FUNCTIONS[act][0] if act in _ACT_FUNCTIONS else getattr(module, act)
     g, u, d = getattr(module, gate), getattr(module, up), getattr(module, down)
-    if up_first:
 
-        def formula(x):
-            ux = u(x)
-            return d(fn(g(x)) * ux)
+    def formula(x):
+        gx, ux = _gate_and_up(g, u, x, up_first)
+        return d(fn(gx) * ux)
 
-        return formula
-    return lambda x: d(fn(g(x)) * u(x))
+    return formula
 
 
 def gated_mlp(module: nn.Module) -> tuple | str | None:
@@ -654,12 +661,7 @@ class GatedMlp(FusedBlock, nn.Module):
         fused, up_first, gp, up, dp, fn, grad_fn, spec = parts
         if not fused:  # the projections in the order of the module's own calls
             _warn_unconverted(self, (gp, up, dp))
-            if up_first:
-                u = up(x)
-                g = gp(x)
-            else:
-                g = gp(x)
-                u = up(x)
+            g, u = _gate_and_up(gp, up, x, up_first)
             prod = blocks.GatedProductFn.apply(g, u, (fn, backward_for(grad_fn, spec), spec))
             return dp(prod)
         dtype = autocast_dtype("linear", x.device)
