@@ -440,9 +440,9 @@ OWN = ("mesa_lite/", "kernels/", "timm/", "transformers/", "benchmarks/")
 
 
 def frame_label(frames: list[dict]) -> str:
-    """The innermost frame from our code or timm, as file:line function, or from Inductor's
-    generated code, with that line's source (``buf12 = empty_strided_cuda(...)``); else the
-    engine."""
+    """The innermost frame from our code, timm or transformers, as file:line function, or
+    from Inductor's generated code, with that line's source (``buf12 = empty_strided_cuda(...)``);
+    else the engine."""
     import linecache
 
     for f in frames:

@@ -31,7 +31,6 @@ from .common import (
     add_out_argument,
     argument_parser,
     check_timm_models,
-    frame_label,  # noqa: F401 - part of this script's interface (tests)
     lazy_import,
     live_at_peak,
     live_sites,

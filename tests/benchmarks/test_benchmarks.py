@@ -165,9 +165,9 @@ def test_ablation_rows_pareto_and_resume(tmp_path):
 
 
 def test_peak_memory_replay_finds_the_live_set_at_the_peak():
-    """The allocator-trace replay of peak_memory.py on a hand-made trace (the GPU run itself is
-    quoted in benchmarks/results/peak_memory_gpu.md)."""
-    from mesa_lite.benchmarks import peak_memory
+    """The allocator-trace replay of peak_memory.py (common.py's) on a hand-made trace (the GPU
+    run itself is quoted in benchmarks/results/peak_memory_gpu.md)."""
+    from mesa_lite.benchmarks import common as peak_memory
 
     ours = [{"filename": "/x/site-packages/mesa_lite/functions.py", "line": 7, "name": "forward"}]
     timm_frame = [{"filename": "/x/timm/layers/mlp.py", "line": 48, "name": "forward"}]
