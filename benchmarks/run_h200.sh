@@ -183,25 +183,23 @@ if [[ $what == session-check ]]; then
   # after a change to ops, quant, kernels or compile (about 6 minutes on an H100): the quantize
   # kernel tests compiled (three processes), the fused-kernel and epilogue tests, the CUDA tests
   # of the language-model paths (dropout attention, the fused head), beside the family training
-  # check; every log's last line and failures in session_check.txt
-  W=/tmp/session_check
-  mkdir -p "$W"
-  i=0
-  for k in "float32" "float16 and not bfloat16" "not float32 and not float16"; do
-    timeout 330 python3 -m pytest -q -p no:warnings -p no:cacheprovider \
-      tests/kernels/test_group_quant.py -k "$k" > "$W/group_quant_$i.txt" 2>&1 &
-    i=$((i + 1))
-  done
-  timeout 330 python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/kernels/test_fused.py \
-    -k "(float16 and not bfloat16) or silu or epilogue" > "$W/fused.txt" 2>&1 &
-  timeout 330 python3 -m pytest -q -p no:warnings -p no:cacheprovider tests/test_attention.py \
-    tests/models/test_transformers.py tests/models/test_fused_head.py \
-    tests/test_linear_cross_entropy.py -k "dropout or cuda or fused" > "$W/lm_cuda.txt" 2>&1 &
-  timeout 330 bash "$0" compile-check > "$W/compile_check.txt" 2>&1
-  wait
-  for f in "$W"/*.txt; do echo "$(basename "$f"): $(tail -n 1 "$f")"; grep -h "^FAILED" "$f" | head -n 8; done \
-    | tee "$OUT/session_check.txt"
-  grep "^|" "$W/compile_check.txt" | tee -a "$OUT/session_check.txt"
+  # check; every log's last line and failures in session_check.txt, the logs in one archive
+  bash "$0" compile-check > "$OUT/compile_check.txt" 2>&1 &
+  # (parallel_pytest's wait also waits for the check)
+  parallel_pytest session_check "timeout 330" \
+    "-p no:warnings tests/kernels/test_group_quant.py -k float32" \
+    "-p no:warnings tests/kernels/test_group_quant.py -k 'float16 and not bfloat16'" \
+    "-p no:warnings tests/kernels/test_group_quant.py -k 'not float32 and not float16'" \
+    "-p no:warnings tests/kernels/test_fused.py -k '(float16 and not bfloat16) or silu or epilogue'" \
+    "-p no:warnings tests/test_attention.py tests/models/test_transformers.py \
+     tests/models/test_fused_head.py tests/test_linear_cross_entropy.py \
+     -k 'dropout or cuda or fused'"
+  for f in "$OUT"/session_check_*.txt; do echo "$(basename "$f"): $(tail -n 1 "$f")"; grep -h "^FAILED" "$f" | head -n 8; done \
+    > "$OUT/session_check.txt"
+  grep "^|" "$OUT/compile_check.txt" >> "$OUT/session_check.txt"
+  cat "$OUT/session_check.txt"
+  tar czf "$OUT/session_check_logs.tgz" -C "$OUT" $(cd "$OUT" && ls session_check_[0-9].txt compile_check.txt) \
+    && rm -f "$OUT"/session_check_[0-9].txt "$OUT/compile_check.txt"
 fi
 if [[ $what == llm-timeline ]]; then
   # issue 52: where compiled GPT-2 small's activation peak goes (a forward transient of about
