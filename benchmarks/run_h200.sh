@@ -202,9 +202,9 @@ if [[ $what == session-check ]]; then
     && rm -f "$OUT"/session_check_[0-9].txt "$OUT/compile_check.txt"
 fi
 if [[ $what == llm-timeline ]]; then
-  # issue 52: where compiled GPT-2 small's activation peak goes (a forward transient of about
-  # 2.7 GB on the H100 of 2026-12-05): one traced step per row, the allocation sites alive at
-  # its peak (eager int8 beside compiled int8)
+  # issue 52: where compiled GPT-2 small's activation peak goes (it found the fused head's
+  # chunk sums fused by Inductor, 2026-12-05): one traced step per row, the allocation sites
+  # alive at its peak (eager int8 beside compiled int8)
   python3 benchmarks/llm_memory.py --models gpt2 --batch 8 --seq 1024 --steps 2 \
     --modes int8 int8-compiled --timeline 15 --out "$OUT/llm_timeline_gpt2" 2>&1 | grep -A 20 "by site"
 fi
