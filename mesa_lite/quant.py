@@ -422,7 +422,7 @@ def share(x: torch.Tensor, p: Packed, memory_order: bool = False) -> None:
     weakly, so nothing is kept alive by the registry.
     """
     if torch.compiler.is_compiling():
-        return  # under torch.compile: block-level Functions keep one copy without a registry
+        return  # under torch.compile: see share_traced
     if x.numel() == 0 or (memory_order and not _dense(x)):
         return  # an empty tensor has nothing to share
     owner = _owner(x)
@@ -444,11 +444,12 @@ def lookup_shared(
 
     ``key`` is the tensor before an autocast cast (``x`` is its cast); the Packed then rebuilds
     in ``x``'s dtype when dequantized with it. Reused only for the same bits and group size,
-    so the saved precision is what ``spec`` asks for; rebuilt with ``x``'s shape.
+    so the saved precision is what ``spec`` asks for; rebuilt with ``x``'s shape. Under
+    torch.compile from the attribute ``share_traced`` set.
     """
-    if torch.compiler.is_compiling():
-        return None
     t = x if key is None else key
+    if torch.compiler.is_compiling():
+        return _lookup_traced(x, t, spec)
     entries = _SHARED.get(id(_owner(t)))
     if not entries:
         return None
@@ -477,6 +478,40 @@ def lookup_shared(
         p.shape = x.shape
         return p
     return None
+
+
+# Under torch.compile the registry is off: Dynamo cannot trace ``id()`` nor read a version
+# counter while tracing. A producer's codes then ride on its output as an attribute, which
+# Dynamo carries through the trace: ``share_traced`` sets it (through
+# ``ops.common.shared_output``, on an output autograd protects from in-place changes), and
+# ``lookup_shared`` reads it.
+TRACED_ATTR = "_mesa_codes"
+
+
+def share_traced(x: torch.Tensor, p: Packed) -> None:
+    """Under torch.compile: ``p`` (compressed, in ``x``'s logical order) as the codes of
+    ``x``, a producer's output."""
+    setattr(x, TRACED_ATTR, (p.codes, p.scales, p.meta(), p.aux, tuple(x.shape), x.stride()))
+
+
+def _lookup_traced(x: torch.Tensor, t: torch.Tensor, spec: QuantSpec) -> Packed | None:
+    """``lookup_shared`` under torch.compile: the codes ``share_traced`` set on ``t``, when
+    their spec and ``t``'s layout match."""
+    entry = getattr(t, TRACED_ATTR, None)
+    if entry is None:
+        return None
+    codes, scales, meta, aux, shape, stride = entry
+    kept = meta[2]
+    if kept.exact != spec.exact or kept.bits != spec.bits:
+        return None
+    if not spec.exact and kept.group_size != spec.group_size:
+        return None
+    if tuple(t.shape) != shape or t.stride() != stride:
+        return None
+    p = Packed(codes, scales, *meta)
+    p.aux = aux
+    p.shape = x.shape
+    return p
 
 
 # ---- keeping Packed objects on an autograd ctx ----------------------------------------------

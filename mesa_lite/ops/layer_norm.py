@@ -14,6 +14,7 @@ from mesa_lite.ops.common import (
     first_order_only,
     plain_under_functorch,
     register_probe,
+    shared_output,
 )
 
 register_probe("layer_norm", 1, lambda a: F.layer_norm(a, (1,)))
@@ -54,8 +55,7 @@ class LayerNormFn(torch.autograd.Function):
         p = keep_normalized(x, mean, rstd, spec)
         quant.save(ctx, p, mean, rstd, weight, bias)
         step = ("affine", out.dtype, normalized_shape, eps)
-        quant.share(out, p.derived(step, out.dtype, aux=(weight, bias)))
-        return out
+        return shared_output(out, p.derived(step, out.dtype, aux=(weight, bias)))
 
     @staticmethod
     @first_order_only
