@@ -488,10 +488,27 @@ def lookup_shared(
 TRACED_ATTR = "_mesa_codes"
 
 
-def share_traced(x: torch.Tensor, p: Packed) -> None:
-    """Under torch.compile: ``p`` (compressed, in ``x``'s logical order) as the codes of
-    ``x``, a producer's output."""
-    setattr(x, TRACED_ATTR, (p.codes, p.scales, p.meta(), p.aux, tuple(x.shape), x.stride()))
+def share_traced(x: torch.Tensor, p: Packed, memory_order: bool = False) -> None:
+    """Under torch.compile: ``p`` (compressed) as the codes of ``x``, a producer's output, in
+    its logical order, or (``memory_order``, ``x`` dense) in its memory order; a view of
+    ``x`` taking them on is ``propagate_traced``'s."""
+    if memory_order and not _dense(x):
+        return
+    entry = (p.codes, p.scales, p.meta(), p.aux, tuple(x.shape), x.stride(), memory_order)
+    setattr(x, TRACED_ATTR, entry)
+
+
+def propagate_traced(src, out) -> None:
+    """Under torch.compile: ``out``, a view of all of ``src``'s memory (``src``'s transpose,
+    permute, view, reshape or contiguous that copied nothing), takes on the codes ``src``
+    carries in memory order (the attention output's: Hugging Face's attention reshapes it for
+    the output projection); a consumer finds them through a contiguous one, as the registry
+    lets any contiguous view of the same memory find them."""
+    entry = getattr(src, TRACED_ATTR, None)
+    if entry is None or not entry[-1] or not isinstance(out, torch.Tensor):
+        return
+    if out.numel() == _prod(entry[4]):
+        setattr(out, TRACED_ATTR, entry)
 
 
 def _lookup_traced(x: torch.Tensor, t: torch.Tensor, spec: QuantSpec) -> Packed | None:
@@ -500,13 +517,16 @@ def _lookup_traced(x: torch.Tensor, t: torch.Tensor, spec: QuantSpec) -> Packed 
     entry = getattr(t, TRACED_ATTR, None)
     if entry is None:
         return None
-    codes, scales, meta, aux, shape, stride = entry
+    codes, scales, meta, aux, shape, stride, memory_order = entry
     kept = meta[2]
     if kept.exact != spec.exact or kept.bits != spec.bits:
         return None
     if not spec.exact and kept.group_size != spec.group_size:
         return None
-    if tuple(t.shape) != shape or t.stride() != stride:
+    if memory_order:  # t is x or a view taking them on (propagate_traced): its memory's order
+        if not (t.is_contiguous() and t.numel() == _prod(shape)):
+            return None
+    elif tuple(t.shape) != shape or t.stride() != stride:
         return None
     p = Packed(codes, scales, *meta)
     p.aux = aux

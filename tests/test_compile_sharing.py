@@ -1,7 +1,8 @@
-"""One saved copy per tensor under torch.compile (issue 52, item 2): a norm's or a GELU's codes
-serve the next op while Dynamo traces (``ops.common.shared_output``), as the registry makes
-them do in eager mode; the gradients are eager mode's; an in-place change of a compiled norm's
-output is refused, never silently kept stale."""
+"""One saved copy per tensor under torch.compile (issue 52, item 2): a norm's, a GELU's and
+the attention output's codes serve the next op while Dynamo traces
+(``ops.common.shared_output``), as the registry makes them do in eager mode; the gradients
+are eager mode's; an in-place change of a compiled norm's output is refused, never silently
+kept stale."""
 
 import copy
 
@@ -48,13 +49,12 @@ def _codes_and_grads(model, batch):
 
 
 @pytest.mark.parametrize("family", MODELS)
-def test_compiled_keeps_one_copy_per_norm_and_gelu_output_with_eagers_gradients(family):
+def test_compiled_keeps_one_copy_per_tensor_as_eager_with_eagers_gradients(family):
     """Counted on a 2-layer model (aot_eager, bf16 autocast): compiled keeps what eager keeps
-    but one copy per layer, the attention output's (kept by attention and again by the
-    output projection; before, also LayerNorm/RMSNorm -> q/k/v, -> MLP and BERT's
-    GELU -> output dense: 22, 24 and 27 code tensors against eager's 15, 17 and 17); the
-    gradients equal eager mode's (the same codes, shared the same way; BERT's within int8's
-    rounding, see below)."""
+    (before: a second copy for LayerNorm/RMSNorm -> q/k/v and -> MLP, attention -> output
+    projection and BERT's GELU -> output dense, 21, 23 and 27 code tensors against eager's
+    15, 17 and 17); the gradients equal eager mode's (the same codes, shared the same way;
+    BERT's within int8's rounding, see below)."""
     torch._dynamo.reset()
     batch = _batch()
     eager = _lm(family).train()
@@ -62,9 +62,9 @@ def test_compiled_keeps_one_copy_per_norm_and_gelu_output_with_eagers_gradients(
                              dynamic=False)  # fmt: skip
     n_eager, g_eager = _codes_and_grads(eager, batch)
     n_compiled, g_compiled = _codes_and_grads(compiled, batch)
-    # one per layer; BERT one more: its embeddings' plain nn.Dropout(p=0) returns its input
-    # itself in eager mode but a new tensor under compile, without the LayerNorm's codes
-    extra = 2 + (family == "bert")
+    # BERT one more: its embeddings' plain nn.Dropout(p=0) returns its input itself in eager
+    # mode but a new tensor under compile, without the LayerNorm's codes
+    extra = int(family == "bert")
     assert n_compiled == n_eager + extra, (n_compiled, n_eager)
     assert g_compiled.keys() == g_eager.keys()
     for n, g in g_eager.items():

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mesa_lite import recognize
+from mesa_lite import quant, recognize
 from mesa_lite.config import QuantSpec
 from mesa_lite.modules import GELU_FORMS, Activation, MesaModule, SiLU
 from mesa_lite.ops.attention import scaled_dot_product_attention
@@ -139,7 +139,35 @@ class _AttentionOps(TorchFunctionMode):
             return _softmax(self.spec, func, args, kwargs)
         elif func is F.dropout:
             return dropout(*args, **kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in _VIEWS and torch.compiler.is_compiling():
+            _propagate(func, args, out)
+        return out
+
+
+# the ops Hugging Face's attention turns its output into the output projection's input with;
+# under torch.compile the attention output's codes follow them (quant.propagate_traced)
+_VIEWS = {
+    torch.Tensor.transpose, torch.transpose, torch.Tensor.permute, torch.permute,
+    torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.contiguous,
+    torch.Tensor.flatten, torch.flatten,
+}  # fmt: skip
+# of those, the ones that copy when their input is not contiguous
+_COPY_IF_STRIDED = {torch.Tensor.reshape, torch.reshape, torch.Tensor.contiguous,
+                    torch.Tensor.flatten, torch.flatten}  # fmt: skip
+
+
+def _propagate(func, args, out) -> None:
+    src = args[0] if args else None
+    if not isinstance(src, torch.Tensor) or getattr(src, quant.TRACED_ATTR, None) is None:
+        return
+    # a reshape to the same shape is a view (transformers' pack_gqa undo); a contiguous of
+    # a strided tensor, or another reshape of one, may have copied, in src's logical order
+    # (not the codes' order)
+    same_shape = func is not torch.Tensor.contiguous and out.shape == src.shape
+    if func in _COPY_IF_STRIDED and not (src.is_contiguous() or same_shape):
+        return
+    quant.propagate_traced(src, out)
 
 
 def _sdpa(spec, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -179,10 +207,11 @@ class HFAttention(MesaModule, nn.Module):
     """A Hugging Face attention module running its own forward with the attention functions
     routed to mesa_lite's compressed forms (``_AttentionOps``).
 
-    With the ``sdpa`` implementation only transformers' ``sdpa_attention_forward`` runs under
-    the mode (``_routed_sdpa`` stands in for it in transformers' table of attention functions
-    and passes every call of other modules through); with the others (``eager``) the whole
-    forward does, so that its matmuls, softmax and dropout are routed."""
+    With the ``sdpa`` implementation in eager mode only transformers' ``sdpa_attention_forward``
+    runs under the mode (``_routed_sdpa`` stands in for it in transformers' table of attention
+    functions and passes every call of other modules through); with the others (``eager``),
+    and under torch.compile, the whole forward does, so that its matmuls, softmax and dropout
+    are routed and the attention output's codes follow its reshapes (``_propagate``)."""
 
     mesa_kind = "attention"
 
@@ -193,7 +222,10 @@ class HFAttention(MesaModule, nn.Module):
         if not self._mesa_on():
             return super().forward(*args, **kwargs)
         config = getattr(self, "config", None)
-        if getattr(config, "_attn_implementation", None) == "sdpa" and _route_sdpa():
+        sdpa = getattr(config, "_attn_implementation", None) == "sdpa"
+        # (under torch.compile the mode costs nothing per step: the whole forward runs under
+        # it, so that the attention output's codes follow its reshapes to the projection)
+        if sdpa and not torch.compiler.is_compiling() and _route_sdpa():
             return super().forward(*args, **kwargs)
         with _AttentionOps(self.mesa_spec):
             return super().forward(*args, **kwargs)

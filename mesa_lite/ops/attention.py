@@ -19,6 +19,7 @@ from mesa_lite.ops.common import (
     needs_grad,
     plain_under_functorch,
     register_probe,
+    shared_output,
     warn_once,
 )
 
@@ -264,8 +265,9 @@ def rebuild_qkv(kept: list, layout) -> list[torch.Tensor]:
     return [_restore(p, o) for p, o in zip(kept, info, strict=True)]
 
 
-def _save_attention(ctx, q, k, v, out, spec: QuantSpec, *rest) -> None:
-    """Saves q, k, v (``keep_qkv``) and the output compressed, then ``rest`` as they are."""
+def _save_attention(ctx, q, k, v, out, spec: QuantSpec, *rest) -> torch.Tensor:
+    """Saves q, k, v (``keep_qkv``) and the output compressed, then ``rest`` as they are;
+    returns the output the Function returns (``shared_output``'s)."""
     po, ctx.o_order = _keep_in_memory_order(out, spec)
     kept, ctx.qkv_layout = keep_qkv(q, k, v, spec)
     ctx.n_qkv = len(kept)
@@ -273,8 +275,9 @@ def _save_attention(ctx, q, k, v, out, spec: QuantSpec, *rest) -> None:
     # (B, N, C), a view when the backend wrote it (B, N, H, D)-contiguous as cuDNN does);
     # in the exact mode the projection keeps its input itself (see _keep_in_memory_order)
     if not spec.exact:
-        quant.share(out, po, memory_order=True)
+        out = shared_output(out, po, memory_order=True)
     quant.save(ctx, *kept, po, *rest)
+    return out
 
 
 def _load_attention(ctx):
@@ -301,7 +304,7 @@ class SDPAFn(torch.autograd.Function):
         bias = attention_bias(mask, q, k, backend)
         out, lse, extra, ctx.max_qk = sdpa_run(q, k, v, backend, dropout_p, is_causal, scale, bias)
         out = fresh(out)
-        _save_attention(ctx, q, k, v, out, spec, lse, mask, *extra)
+        out = _save_attention(ctx, q, k, v, out, spec, lse, mask, *extra)
         ctx.cfg = (backend, dropout_p, is_causal, scale)
         return out
 
@@ -406,7 +409,7 @@ class WindowSDPAFn(torch.autograd.Function):
         bias = attention_bias(full, q, k, SDPA_EFFICIENT)
         out, lse, extra, _ = sdpa_run(q, k, v, SDPA_EFFICIENT, dropout_p, False, scale, bias)
         out = fresh(out)
-        _save_attention(ctx, q, k, v, out, spec, lse, rel_bias, mask, *extra)
+        out = _save_attention(ctx, q, k, v, out, spec, lse, rel_bias, mask, *extra)
         ctx.cfg = (SDPA_EFFICIENT, dropout_p, False, scale)
         ctx.full_dtype = full.dtype
         return out

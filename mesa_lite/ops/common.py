@@ -173,21 +173,22 @@ def fresh(out: torch.Tensor) -> torch.Tensor:
     return out.detach()
 
 
-def shared_output(out: torch.Tensor, p: quant.Packed) -> torch.Tensor:
+def shared_output(out: torch.Tensor, p: quant.Packed, memory_order: bool = False) -> torch.Tensor:
     """Inside a producer's Function: registers ``p`` as the codes of its output ``out`` for the
     next op, and returns the output. In eager mode through the registry (``quant.share``).
     Under torch.compile, where Dynamo traces no ``id()`` and no version counter, the codes
     ride on the output as an attribute (``quant.share_traced``), and the output is a view of
     ``out`` made here (no copy): autograd refuses to change such a view in place, so no
     consumer can reuse codes of a tensor changed since (an in-place op on a compiled norm's
-    output raises PyTorch's "a view ... modified inplace" error; use its out-of-place form)."""
+    output raises PyTorch's "a view ... modified inplace" error; use its out-of-place form).
+    ``memory_order``: as ``quant.share``'s (the codes follow ``out``'s memory order)."""
     if not torch.compiler.is_compiling():
-        quant.share(out, p)
+        quant.share(out, p, memory_order)
         return out
     if p.spec.exact:
         return out
     out = out.view_as(out)
-    quant.share_traced(out, p)
+    quant.share_traced(out, p, memory_order)
     return out
 
 
