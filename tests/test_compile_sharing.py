@@ -1,8 +1,8 @@
-"""One saved copy per tensor under torch.compile (issue 52, item 2): a norm's, a GELU's and
-the attention output's codes serve the next op while Dynamo traces
-(``ops.common.shared_output``), as the registry makes them do in eager mode; the gradients
-are eager mode's; an in-place change of a compiled norm's output is refused, never silently
-kept stale."""
+"""Shared codes under torch.compile (issue 52, item 2): the fused attention's output codes
+serve Hugging Face's output projection while Dynamo traces (``ops.common.shared_output``), as
+the registry makes them do in eager mode; an in-place change of that output is refused, never
+silently kept stale. Norm and activation outputs are not shared under compile (they are
+changed in place in real code), and in-place ops on them keep working."""
 
 import copy
 
@@ -48,13 +48,18 @@ def _codes_and_grads(model, batch):
     return len(seen), {n: p.grad.clone() for n, p in names.items()}
 
 
+# the code tensors compiled keeps beyond eager's, per 2-layer model: each layer's norm outputs
+# (LayerNorm/RMSNorm -> q/k/v and -> MLP; BERT's also GELU -> output dense) are kept again
+# by their consumers; BERT one more: its embeddings' plain nn.Dropout(p=0) returns its
+# input itself in eager mode but a new tensor under compile
+EXTRA = {"gpt2": 4, "llama": 4, "bert": 8}
+
+
 @pytest.mark.parametrize("family", MODELS)
-def test_compiled_keeps_one_copy_per_tensor_as_eager_with_eagers_gradients(family):
-    """Counted on a 2-layer model (aot_eager, bf16 autocast): compiled keeps what eager keeps
-    (before: a second copy for LayerNorm/RMSNorm -> q/k/v and -> MLP, attention -> output
-    projection and BERT's GELU -> output dense, 21, 23 and 27 code tensors against eager's
-    15, 17 and 17); the gradients equal eager mode's (the same codes, shared the same way;
-    BERT's within int8's rounding, see below)."""
+def test_compiled_shares_the_attention_output_with_the_projection(family):
+    """Counted on a 2-layer model (aot_eager, bf16 autocast): compiled keeps eager's code
+    tensors plus ``EXTRA`` (before: 2 more each, the attention output kept again by the
+    output projection); the gradients are eager mode's within int8's rounding."""
     torch._dynamo.reset()
     batch = _batch()
     eager = _lm(family).train()
@@ -62,16 +67,11 @@ def test_compiled_keeps_one_copy_per_tensor_as_eager_with_eagers_gradients(famil
                              dynamic=False)  # fmt: skip
     n_eager, g_eager = _codes_and_grads(eager, batch)
     n_compiled, g_compiled = _codes_and_grads(compiled, batch)
-    # BERT one more: its embeddings' plain nn.Dropout(p=0) returns its input itself in eager
-    # mode but a new tensor under compile, without the LayerNorm's codes
-    extra = int(family == "bert")
-    assert n_compiled == n_eager + extra, (n_compiled, n_eager)
+    assert n_compiled == n_eager + EXTRA[family], (n_compiled, n_eager)
     assert g_compiled.keys() == g_eager.keys()
     for n, g in g_eager.items():
-        if family == "bert":  # layer 0's q/k/v keep codes of their own (see above)
-            assert sqnr_db(g, g_compiled[n]) > 35, (n, sqnr_db(g, g_compiled[n]))
-        else:
-            torch.testing.assert_close(g_compiled[n], g, rtol=1e-5, atol=1e-6, msg=n)
+        if g.norm() > 1e-3 * max(t.norm() for t in g_eager.values()):  # (not ~0 in exact math)
+            assert sqnr_db(g, g_compiled[n]) > 30, (n, sqnr_db(g, g_compiled[n]))
 
 
 class NormThenLinear(nn.Module):
@@ -105,34 +105,54 @@ def _grads(model, x):
     return [p.grad.clone() for p in model.parameters()], len(seen)
 
 
-def test_codes_cross_a_graph_break_with_the_norms_output():
-    """Two graphs (a break between the norm and the Linear): the norm's output leaves the
-    first graph with its codes, and the Linear in the second keeps no copy of its own (two
-    code tensors: the first Linear's input and the norm's); the gradients are eager mode's."""
-    torch._dynamo.reset()
-    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(1))
-    eager = mesa_lite.wrap(NormThenLinear(graph_break=True))
-    compiled = torch.compile(copy.deepcopy(eager), backend="aot_eager")
-    want, n_eager = _grads(eager, x)
-    got, n_compiled = _grads(compiled, x)
-    assert n_eager == n_compiled == 2, (n_eager, n_compiled)
-    for a, b in zip(got, want, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-
-
-def test_an_in_place_change_of_a_compiled_norms_output_is_refused():
-    """Eager mode sees the change (the version counter) and the Linear keeps its own codes;
-    under torch.compile, where no version counter can be read while tracing, the norm's
-    output is a view autograd refuses to change in place: PyTorch's error, not codes of the
-    tensor before the change."""
+@pytest.mark.parametrize(
+    "case", ["in-place after the norm", "in-place ReLU module", "in-place on the output"]
+)
+def test_in_place_ops_on_compiled_norm_outputs_work(case):
+    """A compiled norm's output can be changed in place (by user code, by mesa_lite's own
+    in-place ReLU, by the caller on a model's last output), as in eager mode: the consumer
+    keeps its own codes; the gradients are eager mode's within int8."""
     torch._dynamo.reset()
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
-    plain = NormThenLinear(inplace=True)
+    if case == "in-place ReLU module":
+        plain = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.ReLU(inplace=True),
+                              nn.Linear(32, 8))  # fmt: skip
+    elif case == "in-place on the output":
+        plain = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32))
+    else:
+        plain = NormThenLinear(inplace=True)
     wrapped = mesa_lite.wrap(copy.deepcopy(plain))
-    want, _ = _grads(plain, x)
-    got, _ = _grads(wrapped, x)  # eager: right, within int8
-    for a, b in zip(got, want, strict=True):
-        assert sqnr_db(b, a) > 30, sqnr_db(b, a)
-    compiled = torch.compile(wrapped, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(copy.deepcopy(wrapped), backend="aot_eager")
+    grads = []
+    for model in (plain, wrapped, compiled):
+        model.zero_grad(set_to_none=True)
+        y = model(x)
+        if case == "in-place on the output":
+            y.mul_(2.0)
+        # a fixed weighting: the sum of a LayerNorm's squared outputs is a constant
+        (y * torch.linspace(-1, 1, y.shape[-1])).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for want, got_eager, got in zip(*grads, strict=True):
+        assert sqnr_db(want, got_eager) > 30 and sqnr_db(want, got) > 30
+
+
+def test_an_in_place_change_of_a_compiled_attention_output_is_refused():
+    """Under torch.compile the fused attention's output carries its codes for the output
+    projection and is a view autograd refuses to change in place: PyTorch's error, not codes
+    of the tensor before the change (eager mode sees the change through the version counter
+    and takes it)."""
+    from mesa_lite.ops.attention import scaled_dot_product_attention
+
+    spec = mesa_lite.QuantSpec(8, 128, "nearest")
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 8, 4, generator=g, requires_grad=True) for _ in range(3))
+
+    def f(q, k, v):
+        out = scaled_dot_product_attention(q, k, v, spec=spec)
+        out.mul_(2.0)
+        return out
+
+    f(q, k, v).sum().backward()  # eager: fine
+    torch._dynamo.reset()
     with pytest.raises(Exception, match="modified inplace"):
-        _grads(compiled, x)
+        torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v).sum().backward()

@@ -173,19 +173,24 @@ def fresh(out: torch.Tensor) -> torch.Tensor:
     return out.detach()
 
 
-def shared_output(out: torch.Tensor, p: quant.Packed, memory_order: bool = False) -> torch.Tensor:
+def shared_output(out: torch.Tensor, p: quant.Packed, memory_order: bool = False,
+                  traced: bool = False) -> torch.Tensor:  # fmt: skip
     """Inside a producer's Function: registers ``p`` as the codes of its output ``out`` for the
-    next op, and returns the output. In eager mode through the registry (``quant.share``).
-    Under torch.compile, where Dynamo traces no ``id()`` and no version counter, the codes
-    ride on the output as an attribute (``quant.share_traced``), and the output is a view of
-    ``out`` made here (no copy): autograd refuses to change such a view in place, so no
-    consumer can reuse codes of a tensor changed since (an in-place op on a compiled norm's
-    output raises PyTorch's "a view ... modified inplace" error; use its out-of-place form).
-    ``memory_order``: as ``quant.share``'s (the codes follow ``out``'s memory order)."""
+    next op, and returns the output. In eager mode through the registry (``quant.share``;
+    ``memory_order`` as its).
+
+    Under torch.compile, where Dynamo traces no ``id()`` and reads no version counter, only
+    with ``traced`` (the fused attention's output, which Hugging Face's attention reshapes
+    for its output projection): the codes ride on the output as an attribute
+    (``quant.share_traced``), and the output is a view of ``out`` made here (no copy), which
+    autograd refuses to change in place, so no consumer can reuse codes of a tensor changed
+    since. Not for the norms' and activations' outputs: user code and mesa_lite's own
+    in-place activations change those in place (an in-place ReLU after a LayerNorm, a
+    compiled backbone's last norm), so a consumer keeps its own copy under compile."""
     if not torch.compiler.is_compiling():
         quant.share(out, p, memory_order)
         return out
-    if p.spec.exact:
+    if not traced or p.spec.exact:
         return out
     out = out.view_as(out)
     quant.share_traced(out, p, memory_order)
