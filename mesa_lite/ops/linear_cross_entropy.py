@@ -100,8 +100,9 @@ class LinearCrossEntropyFn(torch.autograd.Function):
 def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``acc + a @ b`` for an fp32 ``acc``: on CUDA, for fp16/bf16 ``a`` and ``b``, through the
     matrix product's own fp32 accumulator (no rounding of the product to their dtype, no
-    temporary of its size); elsewhere the product rounded to its dtype, then added in fp32.
-    In place in eager mode; under torch.compile one opaque op (see the module docstring)."""
+    temporary of its size); elsewhere the product rounded to its dtype, then added in fp32,
+    in place in eager mode. Under torch.compile one opaque op (see the module docstring).
+    Returns the sum (the caller rebinds ``acc``)."""
     if torch.compiler.is_compiling():
         return torch.ops.mesa_lite.addmm_fp32(acc, a, b)
     if _fp32_accumulator(a):
@@ -130,6 +131,16 @@ def _addmm_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Te
 
 @_addmm_fp32.register_fake
 def _(acc, a, b):
+    return torch.empty_like(acc)
+
+
+@torch.library.custom_op("mesa_lite::add_sum_fp32", mutates_args=())
+def _add_sum_fp32(acc: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return acc + g.float().sum(0)
+
+
+@_add_sum_fp32.register_fake
+def _(acc, g):
     return torch.empty_like(acc)
 
 
@@ -162,13 +173,3 @@ def linear_cross_entropy(x, weight, bias, labels, ignore_index: int = -100,
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch
-
-
-@torch.library.custom_op("mesa_lite::add_sum_fp32", mutates_args=())
-def _add_sum_fp32(acc: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    return acc + g.float().sum(0)
-
-
-@_add_sum_fp32.register_fake
-def _(acc, g):
-    return torch.empty_like(acc)
