@@ -481,52 +481,46 @@ def lookup_shared(
 
 
 # Under torch.compile the registry is off: Dynamo cannot trace ``id()`` nor read a version
-# counter while tracing. A producer's codes then ride on its output as an attribute, which
-# Dynamo carries through the trace: ``share_traced`` sets it (through
-# ``ops.common.shared_output``, on an output autograd protects from in-place changes), and
-# ``lookup_shared`` reads it.
+# counter while tracing. The fused attention's output codes (in its memory order) then ride on
+# the output as an attribute, which Dynamo carries through the trace: ``share_traced`` sets it
+# (through ``ops.common.shared_output``, on an output autograd protects from in-place
+# changes), ``propagate_traced`` hands it to views of the same memory, and ``lookup_shared``
+# reads it.
 TRACED_ATTR = "_mesa_codes"
 
 
-def share_traced(x: torch.Tensor, p: Packed, memory_order: bool = False) -> None:
-    """Under torch.compile: ``p`` (compressed) as the codes of ``x``, a producer's output, in
-    its logical order, or (``memory_order``, ``x`` dense) in its memory order; a view of
-    ``x`` taking them on is ``propagate_traced``'s."""
-    if memory_order and not _dense(x):
-        return
-    entry = (p.codes, p.scales, p.meta(), p.aux, tuple(x.shape), x.stride(), memory_order)
-    setattr(x, TRACED_ATTR, entry)
+def share_traced(x: torch.Tensor, p: Packed) -> None:
+    """Under torch.compile: ``p`` (compressed, in ``x``'s memory order) as the codes of ``x``,
+    a dense producer's output."""
+    if _dense(x):
+        setattr(x, TRACED_ATTR, (p.codes, p.scales, p.meta(), p.aux, _prod(x.shape)))
 
 
 def propagate_traced(src, out) -> None:
     """Under torch.compile: ``out``, a view of all of ``src``'s memory (``src``'s transpose,
     permute, view, reshape or contiguous that copied nothing), takes on the codes ``src``
-    carries in memory order (the attention output's: Hugging Face's attention reshapes it for
-    the output projection); a consumer finds them through a contiguous one, as the registry
-    lets any contiguous view of the same memory find them."""
+    carries (the attention output's: Hugging Face's attention reshapes it for the output
+    projection); a consumer finds them through a contiguous one, as the registry lets any
+    contiguous view of the same memory find them."""
     entry = getattr(src, TRACED_ATTR, None)
-    if entry is None or not entry[-1] or not isinstance(out, torch.Tensor):
-        return
-    if out.numel() == _prod(entry[4]):
+    if entry is not None and isinstance(out, torch.Tensor) and out.numel() == entry[-1]:
         setattr(out, TRACED_ATTR, entry)
 
 
 def _lookup_traced(x: torch.Tensor, t: torch.Tensor, spec: QuantSpec) -> Packed | None:
-    """``lookup_shared`` under torch.compile: the codes ``share_traced`` set on ``t``, when
-    their spec and ``t``'s layout match."""
+    """``lookup_shared`` under torch.compile: the codes ``share_traced`` set on ``t`` (or a
+    view ``propagate_traced`` gave them to), when their spec fits and ``t`` is contiguous over
+    all of their memory (its logical order is then their memory order)."""
     entry = getattr(t, TRACED_ATTR, None)
     if entry is None:
         return None
-    codes, scales, meta, aux, shape, stride, memory_order = entry
+    codes, scales, meta, aux, numel = entry
     kept = meta[2]
     if kept.exact != spec.exact or kept.bits != spec.bits:
         return None
     if not spec.exact and kept.group_size != spec.group_size:
         return None
-    if memory_order:  # t is x or a view taking them on (propagate_traced): its memory's order
-        if not (t.is_contiguous() and t.numel() == _prod(shape)):
-            return None
-    elif tuple(t.shape) != shape or t.stride() != stride:
+    if not (t.is_contiguous() and t.numel() == numel):
         return None
     p = Packed(codes, scales, *meta)
     p.aux = aux

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from mesa_lite import quant
 from mesa_lite.config import QuantSpec
-from mesa_lite.ops.common import first_order_only, keep, plain_under_functorch, shared_output
+from mesa_lite.ops.common import first_order_only, keep, plain_under_functorch
 from mesa_lite.ops.gelu import gelu_input_grad
 
 
@@ -131,7 +131,7 @@ class ActivationFn(torch.autograd.Function):
             step = ("act", x.dtype, fn, state)
         if out.shape == x.shape and out_shared:
             if shared is None:
-                out = shared_output(out, p.derived(step, out.dtype))
+                quant.share(out, p.derived(step, out.dtype))
             else:  # registered by the caller: apply bumps a dirty output's version on return
                 shared.append(p.derived(step, out.dtype))
         ctx.fn, ctx.grad_fn, ctx.state, ctx.x_dtype = fn, grad_fn, state, x.dtype

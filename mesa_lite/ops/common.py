@@ -173,27 +173,25 @@ def fresh(out: torch.Tensor) -> torch.Tensor:
     return out.detach()
 
 
-def shared_output(out: torch.Tensor, p: quant.Packed, memory_order: bool = False,
-                  traced: bool = False) -> torch.Tensor:  # fmt: skip
-    """Inside a producer's Function: registers ``p`` as the codes of its output ``out`` for the
-    next op, and returns the output. In eager mode through the registry (``quant.share``;
-    ``memory_order`` as its).
+def shared_output(out: torch.Tensor, p: quant.Packed) -> torch.Tensor:
+    """Inside the fused attention's Function: registers ``p``, the codes of its output ``out``
+    in memory order, for the output projection (Hugging Face's attention reshapes ``out`` for
+    it), and returns the output. In eager mode through the registry (``quant.share``).
 
-    Under torch.compile, where Dynamo traces no ``id()`` and reads no version counter, only
-    with ``traced`` (the fused attention's output, which Hugging Face's attention reshapes
-    for its output projection): the codes ride on the output as an attribute
-    (``quant.share_traced``), and the output is a view of ``out`` made here (no copy), which
-    autograd refuses to change in place, so no consumer can reuse codes of a tensor changed
-    since. Not for the norms' and activations' outputs: user code and mesa_lite's own
-    in-place activations change those in place (an in-place ReLU after a LayerNorm, a
-    compiled backbone's last norm), so a consumer keeps its own copy under compile."""
+    Under torch.compile, where Dynamo traces no ``id()`` and reads no version counter, the
+    codes ride on the output as an attribute (``quant.share_traced``), and the output is a
+    view of ``out`` made here (no copy), which autograd refuses to change in place, so no
+    consumer can reuse codes of a tensor changed since. (Not for the norms' and activations'
+    outputs, which keep ``quant.share``: user code and mesa_lite's own in-place activations
+    change those in place, an in-place ReLU after a LayerNorm, a compiled backbone's last
+    norm; under compile their consumers keep their own copy.)"""
     if not torch.compiler.is_compiling():
-        quant.share(out, p, memory_order)
+        quant.share(out, p, memory_order=True)
         return out
-    if not traced or p.spec.exact:
+    if p.spec.exact:
         return out
     out = out.view_as(out)
-    quant.share_traced(out, p, memory_order)
+    quant.share_traced(out, p)
     return out
 
 

@@ -77,10 +77,6 @@ def dropout(x: torch.Tensor, p: float, training: bool = True, inplace: bool = Fa
         or not (torch.is_grad_enabled() and x.requires_grad)
         or plain_under_functorch("Dropout")
     )
-    if (p == 0 or not training) and 0 <= p <= 1:
-        # F.dropout's own result, x itself; spelled out so that under torch.compile x keeps
-        # the codes its producer set on it (a BERT embedding LayerNorm's, through dropout 0)
-        return x
     if plain:
         return torch.nn.functional.dropout(x, p, training, inplace)
     return DropoutFn.apply(x, p)

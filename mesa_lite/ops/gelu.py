@@ -15,7 +15,6 @@ from mesa_lite.ops.common import (
     keep,
     plain_under_functorch,
     register_probe,
-    shared_output,
 )
 
 register_probe("gelu", 1, lambda a: F.gelu(a))
@@ -50,9 +49,10 @@ class GELUFn(torch.autograd.Function):
         out = F.gelu(x, approximate=approximate)
         p = keep(x, spec, share_key=shares[0], max_steps=quant.MAX_RECIPE_STEPS - 1)
         quant.save(ctx, p)
+        quant.share(out, p.derived(("gelu", x.dtype, approximate), out.dtype))
         ctx.approximate = approximate
         ctx.x_dtype = x.dtype
-        return shared_output(out, p.derived(("gelu", x.dtype, approximate), out.dtype))
+        return out
 
     @staticmethod
     @first_order_only

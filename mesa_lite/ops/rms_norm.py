@@ -31,7 +31,6 @@ from mesa_lite.ops.common import (
     first_order_only,
     plain_under_functorch,
     register_probe,
-    shared_output,
 )
 from mesa_lite.ops.layer_norm import keep_normalized
 
@@ -85,8 +84,9 @@ class RMSNormFn(torch.autograd.Function):
             p = keep_normalized(x, torch.zeros_like(rstd), rstd, spec)
         quant.save(ctx, p, rstd, weight)
         step = ("rms", out.dtype, x.dtype, form, eps, dims)
+        quant.share(out, p.derived(step, out.dtype, aux=(weight,)))
         ctx.cfg = (eps, form, dims, x.dtype)
-        return shared_output(out, p.derived(step, out.dtype, aux=(weight,)))
+        return out
 
     @staticmethod
     @first_order_only
