@@ -456,10 +456,7 @@ def lookup_shared(
     for ref, version, offset, shape, stride, memory_order, meta, codes, scales, aux in entries:
         if ref() is not _owner(t) or t._version != version or t.storage_offset() != offset:
             continue
-        kept = meta[2]
-        if kept.exact != spec.exact or kept.bits != spec.bits:
-            continue
-        if not spec.exact and kept.group_size != spec.group_size:
+        if not _fits(meta[2], spec):
             continue
         if memory_order:
             # codes in the (dense) memory order: a contiguous tensor over the same memory range
@@ -469,15 +466,28 @@ def lookup_shared(
             ok = tuple(t.shape) == shape and t.stride() == stride
         if not ok:
             continue
-        if kept.exact:
+        if meta[2].exact:
             codes = codes()
             if codes is None:
                 continue
-        p = Packed(codes, scales, *meta)
-        p.aux = aux
-        p.shape = x.shape
-        return p
+        return _reused(codes, scales, meta, aux, x)
     return None
+
+
+def _fits(kept: QuantSpec, spec: QuantSpec) -> bool:
+    """Codes kept at ``kept`` serve a consumer keeping at ``spec``: the same exactness and
+    width, and group size when compressed."""
+    if kept.exact != spec.exact or kept.bits != spec.bits:
+        return False
+    return spec.exact or kept.group_size == spec.group_size
+
+
+def _reused(codes, scales, meta: tuple, aux, x: torch.Tensor) -> Packed:
+    """The registered codes as the consumer's Packed, rebuilt with ``x``'s shape."""
+    p = Packed(codes, scales, *meta)
+    p.aux = aux
+    p.shape = x.shape
+    return p
 
 
 # Under torch.compile the registry is off: Dynamo cannot trace ``id()`` nor read a version
@@ -515,17 +525,9 @@ def _lookup_traced(x: torch.Tensor, t: torch.Tensor, spec: QuantSpec) -> Packed 
     if entry is None:
         return None
     codes, scales, meta, aux, numel = entry
-    kept = meta[2]
-    if kept.exact != spec.exact or kept.bits != spec.bits:
+    if not (_fits(meta[2], spec) and t.is_contiguous() and t.numel() == numel):
         return None
-    if not spec.exact and kept.group_size != spec.group_size:
-        return None
-    if not (t.is_contiguous() and t.numel() == numel):
-        return None
-    p = Packed(codes, scales, *meta)
-    p.aux = aux
-    p.shape = x.shape
-    return p
+    return _reused(codes, scales, meta, aux, x)
 
 
 # ---- keeping Packed objects on an autograd ctx ----------------------------------------------
