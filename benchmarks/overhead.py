@@ -9,12 +9,14 @@ iterations each, after warm-up, plain's and wrapped's timings interleaved), thei
 the difference, the host cost mesa_lite adds; the wrapped module in the exact (debug) mode,
 the same Functions keeping uncompressed copies, no quantize or dequantize (what the Functions'
 structure costs without the compression); on a GPU also the wrapped module with its kept
-kernels launched by Triton's own launcher (the launch path before the static one), same run.
+kernels launched by Triton's own launcher (the launch path before the static one), and for
+the kinds with a norm the wrapped module with the norms' one-launch backward switched on
+(``ops.layer_norm.FUSED_BACKWARD``, kernels/norm_backward.py), same run.
 "attention" is timm's Attention block (its qkv and proj Linears and fused attention),
-"matmul" mesa_lite.MatMul on a @ b^T, "block" timm's vision-transformer Block (two
-block-level Functions), "block-per-op" the same Block through its per-op modules (each layer
-its own Function; what the block-level Functions replace). On a GPU the loop is synchronized
-once per timing, so queued work counts as well.
+"rmsnorm" torch.nn.RMSNorm, "matmul" mesa_lite.MatMul on a @ b^T, "block" timm's
+vision-transformer Block (two block-level Functions), "block-per-op" the same Block through its
+per-op modules (each layer its own Function; what the block-level Functions replace). On a GPU
+the loop is synchronized once per timing, so queued work counts as well.
 
 ``--profile N`` also writes PREFIX_profile.txt: per kind, the N functions with the most host
 time of their own (cProfile's tottime) over one timing's iterations of the wrapped module, with
@@ -41,11 +43,13 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 if __package__ in (None, ""):  # run as a script: import the rest from the installed package
     __package__ = "mesa_lite.benchmarks"
 
 import mesa_lite
+from mesa_lite.ops import layer_norm as layer_norm_op
 
 from .common import (
     Outputs,
@@ -67,7 +71,18 @@ from .common import (
 
 torch = lazy_import("torch")
 
-KINDS = ["linear", "layernorm", "gelu", "softmax", "matmul", "attention", "block", "block-per-op"]
+KINDS = [
+    "linear",
+    "layernorm",
+    "rmsnorm",
+    "gelu",
+    "softmax",
+    "matmul",
+    "attention",
+    "block",
+    "block-per-op",
+]
+NORM_KINDS = ("layernorm", "rmsnorm", "block", "block-per-op")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,7 +135,8 @@ def _pair(kind: str, width: int, config=None):
         return plain, wrapped, 1
     else:
         make = {"linear": lambda: nn.Linear(width, width), "layernorm": lambda: nn.LayerNorm(width),
-                "gelu": nn.GELU, "softmax": lambda: nn.Softmax(dim=-1)}  # fmt: skip
+                "rmsnorm": lambda: nn.RMSNorm(width), "gelu": nn.GELU,
+                "softmax": lambda: nn.Softmax(dim=-1)}  # fmt: skip
         plain = make[kind]()
     return plain, mesa_lite.wrap(copy.deepcopy(plain), config), 1
 
@@ -203,6 +219,10 @@ def measure(kind: str, args) -> dict:
                 "exact": (exact, inputs, contextlib.nullcontext)}  # fmt: skip
     if device.type == "cuda":
         variants["triton_run"] = (wrapped, inputs, lambda: launcher_switches(static=False))
+        if kind in NORM_KINDS:
+            variants["fused_norm"] = (
+                wrapped, inputs, lambda: mock.patch.object(layer_norm_op, "FUSED_BACKWARD", True)
+            )  # fmt: skip
     us = _time_us(variants, args, device)
     profile = _profile(wrapped, inputs, args, device) if args.profile else None
     row = {
@@ -216,6 +236,9 @@ def measure(kind: str, args) -> dict:
     if "triton_run" in us:
         row["triton_run_us"] = us["triton_run"]
         row["triton_run_added_us"] = us["triton_run"] - us["plain"]
+    if "fused_norm" in us:
+        row["fused_norm_us"] = us["fused_norm"]
+        row["fused_norm_ratio"] = us["fused_norm"] / us["plain"]
     return profile, row
 
 
@@ -240,6 +263,9 @@ def run(argv=None) -> list[dict]:
     if any("triton_run_us" in r for r in rows):  # the launch path before, same run
         cols += [("triton_run_us", "mesa_lite us, Triton's launcher", ".0f"),
                  ("triton_run_added_us", "added us, Triton's launcher", ".0f")]  # fmt: skip
+    if any("fused_norm_us" in r for r in rows):  # the norms' one-launch backward, same run
+        cols += [("fused_norm_us", "mesa_lite us, fused norm backward", ".0f"),
+                 ("fused_norm_ratio", "ratio, fused norm backward", ".2f")]  # fmt: skip
     precision = "fp32 (no autocast)" if args.dtype == "fp32" else f"{args.dtype} autocast"
     head = (
         f"Host time per op, forward + backward, input {args.batch_size}x{args.tokens}x"

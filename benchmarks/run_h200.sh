@@ -4,7 +4,7 @@
 # ./out, a fixed folder: the GPU results committed in benchmarks/results/ were copied from it).
 #   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|main|coverage|speed-compiled|
 #     speed-compiled-options|speed-compiled-others|speed-eager|speed-tests|kernel-bw|kernel-tests|launch|
-#     compile-check|session-check|llm-compiled|llm-timeline|cnn|llm|text|dist|all]
+#     compile-check|session-check|norm-backward|llm-compiled|llm-timeline|cnn|llm|text|dist|all]
 #   [extra deit_memory args...]
 # suite: the whole test suite (CPU and CUDA parametrizations), in parallel processes.
 # main: the Quickstart's main job as a new user runs it (python benchmarks/deit_memory.py, its
@@ -190,7 +190,8 @@ if [[ $what == session-check ]]; then
     "-p no:warnings tests/kernels/test_group_quant.py -k float32" \
     "-p no:warnings tests/kernels/test_group_quant.py -k 'float16 and not bfloat16'" \
     "-p no:warnings tests/kernels/test_group_quant.py -k 'not float32 and not float16'" \
-    "-p no:warnings tests/kernels/test_fused.py -k '(float16 and not bfloat16) or silu or epilogue'" \
+    "-p no:warnings tests/kernels/test_fused.py -k '(float16 and not bfloat16) or silu or epilogue' \
+     tests/kernels/test_norm_backward.py" \
     "-p no:warnings tests/test_attention.py tests/models/test_transformers.py \
      tests/models/test_fused_head.py tests/test_linear_cross_entropy.py \
      -k 'dropout or cuda or fused'"
@@ -200,6 +201,17 @@ if [[ $what == session-check ]]; then
   cat "$OUT/session_check.txt"
   tar czf "$OUT/session_check_logs.tgz" -C "$OUT" $(cd "$OUT" && ls session_check_[0-9].txt compile_check.txt) \
     && rm -f "$OUT"/session_check_[0-9].txt "$OUT/compile_check.txt"
+fi
+if [[ $what == norm-backward ]]; then
+  # issue 51: the norms' one-launch backward (off by default until this measures it): its tests
+  # compiled, then host time per op at overhead.py's small default shape and the time at DeiT-S's
+  # (batch 128 x 197 x 384), unfused and fused in the same run (the "fused norm" columns)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+    tests/kernels/test_norm_backward.py 2>&1 | tail -n 3
+  python3 benchmarks/overhead.py --kinds layernorm rmsnorm block --dtype fp16 \
+    --out "$OUT/norm_backward_host" 2>&1 | grep "^|"
+  python3 benchmarks/overhead.py --kinds layernorm rmsnorm block --dtype fp16 --batch-size 128 \
+    --tokens 197 --width 384 --iters 20 --out "$OUT/norm_backward_deit_s" 2>&1 | grep "^|"
 fi
 if [[ $what == llm-timeline ]]; then
   # issue 52: where compiled GPT-2 small's activation peak goes (it found the fused head's

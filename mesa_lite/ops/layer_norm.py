@@ -3,11 +3,14 @@ rebuild its output for the next op (an ``affine`` recipe step)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from mesa_lite import quant
 from mesa_lite.config import QuantSpec
+from mesa_lite.kernels import norm_backward as fused
 from mesa_lite.ops.common import (
     autocast_cast,
     autocast_dtype,
@@ -17,6 +20,20 @@ from mesa_lite.ops.common import (
 )
 
 register_probe("layer_norm", 1, lambda a: F.layer_norm(a, (1,)))
+
+# LayerNorm's and RMSNorm's compressed backward as one kernel launch that reads the codes
+# (kernels/norm_backward.py) for CUDA tensors in eager mode, instead of a dequantize and then
+# PyTorch's backward (LayerNorm) or a dozen torch ops (RMSNorm). Off until a GPU run has
+# measured it against the unfused path (benchmarks/overhead.py, its "fused norm" column).
+FUSED_BACKWARD = False
+
+
+def fused_backward(p: quant.Packed | None, grad: torch.Tensor, row_len: int, x_dtype) -> bool:
+    """Whether a norm's backward from ``p`` (its kept normalized input) takes the one-launch
+    kernel: switched on, compressed with signed codes, on the Triton path, rows and dtypes
+    it takes."""
+    return (FUSED_BACKWARD and p is not None and not p.spec.exact and p.signed
+            and quant.use_triton(grad) and fused.fits(row_len, grad.dtype, x_dtype))  # fmt: skip
 
 
 def _affine_first(p: quant.Packed, step: tuple, aux: list, dtype: torch.dtype) -> torch.Tensor:
@@ -81,6 +98,16 @@ def layer_norm_backward(grad, px, mean, rstd, weight, bias, normalized_shape, x_
                         mask):  # fmt: skip
     """``native_layer_norm_backward`` from what ``keep_normalized`` kept (``px`` None, with
     ``mean`` and ``rstd`` None too, when only the bias needs its gradient)."""
+    row_len = math.prod(normalized_shape)
+    if fused_backward(px, grad, row_len, x_dtype):
+        gx, gw, gb = fused.norm_backward(
+            px.codes, px.scales, px.spec.group_size, px.spec.bits, grad, rstd, weight,
+            x_dtype, row_len, center=True, need_x=mask[0], need_sums=mask[1] or mask[2],
+            use_triton=True,
+        )  # fmt: skip
+        gw = gw.view(weight.shape).to(weight.dtype) if mask[1] else None
+        gb = gb.view(bias.shape).to(bias.dtype) if mask[2] else None
+        return gx, gw, gb
     if px is None:  # only the bias: its gradient reads no x, mean or rstd
         x = grad.new_zeros(()).expand(x_shape)
         stats = x_shape[: len(x_shape) - len(normalized_shape)]

@@ -20,6 +20,8 @@ same formula with autograd, so gradients are PyTorch's bit for bit.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -32,7 +34,7 @@ from mesa_lite.ops.common import (
     plain_under_functorch,
     register_probe,
 )
-from mesa_lite.ops.layer_norm import keep_normalized
+from mesa_lite.ops.layer_norm import fused, fused_backward, keep_normalized
 
 register_probe("rms_norm", 1, lambda a: F.rms_norm(a, (1,)))
 
@@ -97,6 +99,15 @@ class RMSNormFn(torch.autograd.Function):
         if p.spec.exact:
             return (*_autograd_grads(p, weight, grad, eps, form, dims, need_x, need_w),
                     None, None, None, None)  # fmt: skip
+        row_len = math.prod(p.shape[len(p.shape) - dims :])
+        if fused_backward(p, grad, row_len, x_dtype):
+            g_x, g_w, _ = fused.norm_backward(
+                p.codes, p.scales, p.spec.group_size, p.spec.bits, grad, rstd, weight, x_dtype,
+                row_len, center=False, hf=form == "hf", need_x=need_x,
+                need_sums=need_w and weight is not None, use_triton=True,
+            )  # fmt: skip
+            g_w = None if g_w is None else g_w.view(weight.shape).to(weight.dtype)
+            return g_x, g_w, None, None, None, None
         h = quant.dequantize(p, torch.float32)
         red = tuple(range(-dims, 0))
         lead = tuple(range(h.dim() - dims))

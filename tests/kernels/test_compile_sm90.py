@@ -21,6 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from mesa_lite.kernels import group_quant as gq
+from mesa_lite.kernels import norm_backward as nb
 
 def compile_(fn, signature, constexprs, warps):
     sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
@@ -55,6 +56,22 @@ for bits, signed, stochastic, x_dtype, one_pass, epi in CASES:
               "HAS_P1": True, "HAS_P2": epi != 1, "MID": epi % 3, "RN": True,
               "LANES": epi >= 3, "ROWS": rows, "BLOCK": 128}, 4 if bits == 8 else 2)
     print("compiled", bits, signed, stochastic, x_dtype)
+
+# the norms' backward: LayerNorm fp32, Hugging Face's RMSNorm into bf16, RMSNorm's 2-bit codes
+# on the widest tile, each at its shipped launch shape
+for bits, center, has_w, hf, grad, out, row_len in [
+        (8, True, True, False, "*fp32", "*fp32", 384), (4, False, True, True, "*fp32", "*i16", 2048),
+        (2, False, False, False, "*fp16", "*fp16", nb.MAX_ROW)]:
+    rows, block, warps = nb._launch_shape(row_len)
+    compile_(nb._norm_backward_kernel,
+             {"codes_ptr": "*i8" if bits == 8 else "*u8", "scales_ptr": "*fp32", "grad_ptr": grad,
+              "w_ptr": "*fp32", "rstd_ptr": "*fp32", "gx_ptr": out, "part_ptr": "*fp32",
+              "n_rows": "i32", "row_len": "i32", "group_size": "i32", "rows_per_prog": "i32"},
+             {"QMIN": gq.qrange(True, bits)[0], "BITS": bits, "PER_BYTE": gq.per_byte(bits),
+              "CENTER": center, "HAS_W": has_w, "NEED_X": True, "PARTS": True, "HF": hf,
+              "MID_X": 2 if hf else 0, "MID_G": 0, "OUT_BF16": out == "*i16", "ROWS": rows,
+              "BLOCK": block}, warps)
+    print("compiled norm backward", bits, row_len)
 """
 
 
@@ -64,7 +81,7 @@ def test_kernels_compile_for_sm90():
         [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 9, res.stdout
+    assert res.stdout.count("compiled") == 12, res.stdout
 
 
 _ABI_SCRIPT = r"""
