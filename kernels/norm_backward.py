@@ -74,7 +74,7 @@ if HAS_TRITON:
             w = tl.load(w_ptr + cols, mask=cols < row_len, other=0.0).to(tl.float32)[None, :]
         acc_w = tl.zeros([BLOCK], dtype=tl.float32)
         acc_b = tl.zeros([BLOCK], dtype=tl.float32)
-        first = pid * rows_per_prog
+        first = pid.to(tl.int64) * rows_per_prog  # 64-bit: rows past 2**31 stay positive
         for start in range(0, rows_per_prog, ROWS):
             rows = first + start + tl.arange(0, ROWS)
             row_ok = rows < n_rows
@@ -110,8 +110,9 @@ if HAS_TRITON:
     # one Launcher per warp count (_launch_shape)
     _NORM_BACKWARD = {w: Launcher(_norm_backward_kernel, num_warps=w) for w in (4, 8, 16)}
 
-# Rows longer than this take the unfused path (a row is one tile of registers).
-MAX_ROW = 16384
+# Rows longer than this take the unfused path (a row is one tile of registers; ptxas for sm_90
+# spills registers from 16384-element rows, and at 4 and 2 bits from 8192: not yet timed).
+MAX_ROW = 8192
 
 
 def fits(row_len: int, *dtypes: torch.dtype) -> bool:
@@ -203,7 +204,8 @@ def norm_backward(
     per_prog = -(-n_rows // _max_programs(device))
     per_prog = max(rows, -(-per_prog // rows) * rows)  # a multiple of ROWS
     programs = max(1, -(-n_rows // per_prog))
-    parts = torch.empty((programs, 2, row_len), dtype=torch.float32, device=device)
+    shape = (programs, 2, row_len) if need_sums else (1,)  # unread without the sums
+    parts = torch.empty(shape, dtype=torch.float32, device=device)
     if n_rows:
         bf16 = x_dtype == torch.bfloat16
         out = grad if dx is None else (dx.view(torch.int16) if bf16 else dx)

@@ -28,12 +28,13 @@ register_probe("layer_norm", 1, lambda a: F.layer_norm(a, (1,)))
 FUSED_BACKWARD = False
 
 
-def fused_backward(p: quant.Packed | None, grad: torch.Tensor, row_len: int, x_dtype) -> bool:
+def fused_backward(p: quant.Packed | None, grad: torch.Tensor, rstd, row_len: int, x_dtype) -> bool:
     """Whether a norm's backward from ``p`` (its kept normalized input) takes the one-launch
     kernel: switched on, compressed with signed codes, on the Triton path, rows and dtypes
-    it takes."""
+    it takes (an fp32 ``rstd``: PyTorch's CPU LayerNorm gives it in the input's dtype)."""
     return (FUSED_BACKWARD and p is not None and not p.spec.exact and p.signed
-            and quant.use_triton(grad) and fused.fits(row_len, grad.dtype, x_dtype))  # fmt: skip
+            and rstd.dtype == torch.float32 and quant.use_triton(grad)
+            and fused.fits(row_len, grad.dtype, x_dtype))  # fmt: skip
 
 
 def _affine_first(p: quant.Packed, step: tuple, aux: list, dtype: torch.dtype) -> torch.Tensor:
@@ -99,7 +100,7 @@ def layer_norm_backward(grad, px, mean, rstd, weight, bias, normalized_shape, x_
     """``native_layer_norm_backward`` from what ``keep_normalized`` kept (``px`` None, with
     ``mean`` and ``rstd`` None too, when only the bias needs its gradient)."""
     row_len = math.prod(normalized_shape)
-    if fused_backward(px, grad, row_len, x_dtype):
+    if fused_backward(px, grad, rstd, row_len, x_dtype):
         gx, gw, gb = fused.norm_backward(
             px.codes, px.scales, px.spec.group_size, px.spec.bits, grad, rstd, weight,
             x_dtype, row_len, center=True, need_x=mask[0], need_sums=mask[1] or mask[2],

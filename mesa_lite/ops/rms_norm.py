@@ -100,7 +100,7 @@ class RMSNormFn(torch.autograd.Function):
             return (*_autograd_grads(p, weight, grad, eps, form, dims, need_x, need_w),
                     None, None, None, None)  # fmt: skip
         row_len = math.prod(p.shape[len(p.shape) - dims :])
-        if fused_backward(p, grad, row_len, x_dtype):
+        if fused_backward(p, grad, rstd, row_len, x_dtype):
             g_x, g_w, _ = fused.norm_backward(
                 p.codes, p.scales, p.spec.group_size, p.spec.bits, grad, rstd, weight, x_dtype,
                 row_len, center=False, hf=form == "hf", need_x=need_x,

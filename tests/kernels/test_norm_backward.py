@@ -33,6 +33,7 @@ CASES = [
     (8, 64, (1, 1000)),
     (4, 6, (0, 24)),
     (8, 128, (2, 2500)),
+    (4, 128, (3, nb.MAX_ROW)),
 ]
 # (kind, gradient dtype, input dtype): LayerNorm's center, RMSNorm's, Hugging Face's roundings
 FORMS = [
@@ -196,6 +197,7 @@ def _hf_rmsnorm():
 
 MODULES = {
     "layernorm": lambda: torch.nn.LayerNorm(96),
+    "layernorm_bf16": lambda: torch.nn.LayerNorm(96).bfloat16(),
     "layernorm_2d": lambda: torch.nn.LayerNorm((7, 96)),
     "layernorm_nobias": lambda: torch.nn.LayerNorm(96, bias=False),
     "layernorm_noaffine": lambda: torch.nn.LayerNorm(96, elementwise_affine=False),
@@ -225,12 +227,15 @@ def test_modules_match_the_unfused_path_and_torch(name, autocast, fused, on):
         for p in plain.parameters():
             p.add_(torch.randn_like(p) * 0.3)
     wrapped = mesa_lite.wrap(copy.deepcopy(plain), Config())
-    x = (torch.randn(4, 7, 96) * 2 + 0.5).to(on)
+    dtype = next(plain.parameters(), torch.empty(())).dtype
+    x = (torch.randn(4, 7, 96) * 2 + 0.5).to(on, dtype)
     want = _grads(plain, x, autocast, False)
     unfused = _grads(wrapped, x, autocast, False)
     assert not fused
     got = _grads(wrapped, x, autocast, True)
-    assert len(fused) == 1, "the fused kernel did not run"
+    # a bf16 LayerNorm on the CPU: PyTorch gives rstd in bf16, and the unfused path runs
+    runs = not (dtype == torch.bfloat16 and on.type == "cpu" and name.startswith("layernorm"))
+    assert len(fused) == runs, "the fused kernel did not run" if runs else fused
     for a, b, c in zip(want, unfused, got, strict=True):
         assert c.dtype == a.dtype and c.shape == a.shape
         assert sqnr_db(a, c) >= 30.0, sqnr_db(a, c)
