@@ -58,6 +58,10 @@ class MesaModule:
 
     mesa_kind: ClassVar[str] = ""
     mesa_spec: QuantSpec | None = None
+    # a norm or activation whose output only the next layers of its block read (set by the
+    # Hugging Face integration's ``after_wrap``): its codes serve them under torch.compile too
+    # (``ops.common.shared_output``)
+    mesa_share_traced: bool = False
 
     def _mesa_active(self, *tensors: torch.Tensor | None) -> bool:
         active = self.mesa_spec is not None and self.training and needs_grad(*tensors)
@@ -110,7 +114,8 @@ class MesaModule:
 
 # attributes a converted module learns while training (ops/relu.py), dropped by to_original and
 # by a new from_module
-_STATE = ("_mesa_relu_state", "_mesa_last_offer", "_mesa_unclaimed", "_mesa_proved_attrs")
+_STATE = ("_mesa_relu_state", "_mesa_last_offer", "_mesa_unclaimed", "_mesa_proved_attrs",
+          "mesa_share_traced")  # fmt: skip
 
 _GLOBAL_HOOKS = tuple(
     d
@@ -743,7 +748,8 @@ class LayerNorm(MesaModule, nn.LayerNorm):
         shape = tuple(self.normalized_shape)
         if not self._mesa_active(x, weight, bias):
             return F.layer_norm(x, shape, weight, bias, self.eps)
-        return layer_norm(x, shape, weight, bias, self.eps, self.mesa_spec)
+        traced = self.mesa_share_traced
+        return layer_norm(x, shape, weight, bias, self.eps, self.mesa_spec, traced)
 
 
 class MatMul(MesaModule, nn.Module):
@@ -800,7 +806,8 @@ class Activation(MesaModule, nn.Module):
             if inplace_fn is None:
                 return super().forward(x)
         fn, grad_fn = self.mesa_formula()
-        return activation(x, fn, self.mesa_spec, grad_fn, type(self).__name__, inplace_fn)
+        name, traced = type(self).__name__, self.mesa_share_traced and inplace_fn is None
+        return activation(x, fn, self.mesa_spec, grad_fn, name, inplace_fn, traced)
 
 
 def _activation_forward(module: Activation, x: torch.Tensor) -> torch.Tensor:
@@ -884,4 +891,4 @@ class RMSNorm(MesaModule, nn.Module):
             if form == "torch":  # nn.RMSNorm.forward
                 return F.rms_norm(x, self.normalized_shape, weight, self.eps)
             return rms_forward(x, weight, eps, form, dims)[0]  # the proved HF formula
-        return rms_norm(x, weight, eps, form, dims, spec)
+        return rms_norm(x, weight, eps, form, dims, spec, self.mesa_share_traced)

@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from mesa_lite import modules as mesa_modules
 from mesa_lite import quant, recognize
 from mesa_lite.config import QuantSpec
 from mesa_lite.modules import GELU_FORMS, Activation, MesaModule, SiLU
@@ -509,6 +510,36 @@ def _inline_loss_head(module: nn.Module) -> bool:
     )
 
 
+# The norms and activations inside a block whose output only that block's next layers read
+# (transformers never returns it nor changes it in place): under torch.compile their codes
+# serve those layers (``mesa_share_traced``, ``ops.common.shared_output``), one saved copy as
+# in eager mode. By block class: GPT-2's ln_1 -> attention, ln_2 -> MLP; the Llama family's
+# input_layernorm -> q/k/v, post_attention_layernorm -> gate/up; BERT's attention output
+# LayerNorm -> the intermediate dense (and the residual, read out of place), its intermediate
+# GELU -> the output dense. (BERT's layer output LayerNorm is the layer's output, which
+# transformers returns: not marked.)
+_LLAMA_NORMS = ("input_layernorm", "post_attention_layernorm")
+BLOCK_INTERNAL = {
+    "GPT2Block": ("ln_1", "ln_2", "ln_cross_attn"),
+    "LlamaDecoderLayer": _LLAMA_NORMS,
+    "MistralDecoderLayer": _LLAMA_NORMS,
+    "Qwen2DecoderLayer": _LLAMA_NORMS,
+    "BertSelfOutput": ("LayerNorm",),
+    "BertIntermediate": ("intermediate_act_fn",),
+}
+
+
+def _mark_block_internal(model: nn.Module) -> None:
+    for module in model.modules():
+        cls = type(module)
+        if not cls.__module__.startswith("transformers.models."):
+            continue
+        for name in BLOCK_INTERNAL.get(cls.__name__, ()):
+            child = getattr(module, name, None)
+            if isinstance(child, (Activation, mesa_modules.LayerNorm, mesa_modules.RMSNorm)):
+                child.mesa_share_traced = True
+
+
 def after_wrap(model: nn.Module, config, filter_fn=None) -> tuple[list, int, list[str]]:
     """Sets the chunked loss on the language models in ``model`` (the ``loss_function`` of
     causal LMs, fused with their head where ``fused_head`` allows; a ``_LossOps`` over the
@@ -518,6 +549,7 @@ def after_wrap(model: nn.Module, config, filter_fn=None) -> tuple[list, int, lis
     after_unwrap(model)
     if any(isinstance(m, HFAttention) for m in model.modules()):
         _route_sdpa()  # now, not at the first forward: that may be under torch.compile
+    _mark_block_internal(model)
     specs, exact, notes = [], 0, []
     for name, module in model.named_modules():
         causal = _causal_lm(module)
@@ -561,6 +593,7 @@ def after_unwrap(model: nn.Module) -> None:
     """Removes what ``after_wrap`` set."""
     for module in model.modules():
         module.__dict__.pop("_mesa_head", None)
+        module.__dict__.pop("mesa_share_traced", None)
         if isinstance(module.__dict__.get("_loss_function"), _CausalLMLoss):
             del module.__dict__["_loss_function"]
         for handle in module.__dict__.pop("_mesa_loss_hooks", ()):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from mesa_lite import quant
 from mesa_lite.config import QuantSpec
-from mesa_lite.ops.common import first_order_only, keep, plain_under_functorch
+from mesa_lite.ops.common import first_order_only, keep, plain_under_functorch, shared_output
 from mesa_lite.ops.gelu import gelu_input_grad
 
 
@@ -100,7 +100,8 @@ class ActivationFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, fn, grad_fn, spec: QuantSpec, inplace_fn=None, shared=None):
+    def forward(ctx, x, fn, grad_fn, spec: QuantSpec, inplace_fn=None, shared=None,
+                traced: bool = False):  # fmt: skip
         state = autocast_state(x.device)
         out_shared = True
         if inplace_fn is None:
@@ -129,12 +130,14 @@ class ActivationFn(torch.autograd.Function):
             step = ("silu", x.dtype)
         else:
             step = ("act", x.dtype, fn, state)
+        ctx.fn, ctx.grad_fn, ctx.state, ctx.x_dtype = fn, grad_fn, state, x.dtype
         if out.shape == x.shape and out_shared:
+            if traced:  # a block-internal output (``ops.common.shared_output``); not in place
+                return shared_output(out, p.derived(step, out.dtype))
             if shared is None:
                 quant.share(out, p.derived(step, out.dtype))
             else:  # registered by the caller: apply bumps a dirty output's version on return
                 shared.append(p.derived(step, out.dtype))
-        ctx.fn, ctx.grad_fn, ctx.state, ctx.x_dtype = fn, grad_fn, state, x.dtype
         return out
 
     @staticmethod
@@ -143,13 +146,13 @@ class ActivationFn(torch.autograd.Function):
         (px,) = quant.load(ctx)
         if isinstance(ctx.grad_fn, str):  # GELU's fused backward from the codes
             gx = gelu_input_grad(px, grad.to(ctx.x_dtype), ctx.grad_fn, ctx.x_dtype)
-            return gx, None, None, None, None, None
+            return gx, None, None, None, None, None, None
         if ctx.grad_fn is silu_grad:  # SiLU's likewise
             gx = silu_input_grad(px, grad.to(ctx.x_dtype), ctx.x_dtype)
-            return gx, None, None, None, None, None
+            return gx, None, None, None, None, None, None
         x = quant.dequantize(px, ctx.x_dtype)
         grad_x = activation_grad(ctx.fn, ctx.grad_fn, ctx.state, x, grad)
-        return grad_x, None, None, None, None, None
+        return grad_x, None, None, None, None, None, None
 
 
 def backward_for(grad_fn, spec: QuantSpec):
@@ -179,9 +182,11 @@ def activation_grad(fn, grad_fn, state: tuple, x: torch.Tensor, grad: torch.Tens
 
 
 def activation(x: torch.Tensor, fn, spec: QuantSpec, grad_fn=None, name: str = "activation",
-               inplace_fn=None):  # fmt: skip
+               inplace_fn=None, traced: bool = False):  # fmt: skip
     """``fn(x)`` keeping ``x`` compressed for backward (``ActivationFn``); with ``inplace_fn``
-    (``fn``'s in-place form) ``x`` is overwritten and returned, as the in-place op does."""
+    (``fn``'s in-place form) ``x`` is overwritten and returned, as the in-place op does;
+    ``traced`` (not in place): the output's codes serve its consumer under torch.compile too
+    (a block-internal output, ``ops.common.shared_output``)."""
     if plain_under_functorch(name):
         return fn(x) if inplace_fn is None else inplace_fn(x)
     if inplace_fn is not None and torch.compiler.is_compiling():
@@ -190,7 +195,7 @@ def activation(x: torch.Tensor, fn, spec: QuantSpec, grad_fn=None, name: str = "
         src = x.clone() if spec.exact or not quant.compressible(x) else x
         return x.copy_(ActivationFn.apply(src, fn, grad_fn, spec))
     if inplace_fn is None:
-        return ActivationFn.apply(x, fn, grad_fn, spec)
+        return ActivationFn.apply(x, fn, grad_fn, spec, None, None, traced)
     shared: list = []
     out = ActivationFn.apply(x, fn, grad_fn, spec, inplace_fn, shared)
     for p in shared:

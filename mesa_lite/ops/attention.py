@@ -275,7 +275,7 @@ def _save_attention(ctx, q, k, v, out, spec: QuantSpec, *rest) -> torch.Tensor:
     # (B, N, C), a view when the backend wrote it (B, N, H, D)-contiguous as cuDNN does);
     # in the exact mode the projection keeps its input itself (see _keep_in_memory_order)
     if not spec.exact:
-        out = shared_output(out, po)
+        out = shared_output(out, po, memory_order=True)
     quant.save(ctx, *kept, po, *rest)
     return out
 

@@ -173,20 +173,23 @@ def fresh(out: torch.Tensor) -> torch.Tensor:
     return out.detach()
 
 
-def shared_output(out: torch.Tensor, p: quant.Packed) -> torch.Tensor:
-    """Inside the fused attention's Function: registers ``p``, the codes of its output ``out``
-    in memory order, for the output projection (Hugging Face's attention reshapes ``out`` for
-    it), and returns the output. In eager mode through the registry (``quant.share``).
+def shared_output(out: torch.Tensor, p: quant.Packed, memory_order: bool = False) -> torch.Tensor:
+    """Inside a producer's Function: registers ``p``, the codes of its output ``out`` (in memory
+    order with ``memory_order``), for the consumer, and returns the output. In eager mode
+    through the registry (``quant.share``).
 
     Under torch.compile, where Dynamo traces no ``id()`` and reads no version counter, the
     codes ride on the output as an attribute (``quant.share_traced``), and the output is a
     view of ``out`` made here (no copy), which autograd refuses to change in place, so no
-    consumer can reuse codes of a tensor changed since. (Not for the norms' and activations'
-    outputs, which keep ``quant.share``: user code and mesa_lite's own in-place activations
-    change those in place, an in-place ReLU after a LayerNorm, a compiled backbone's last
-    norm; under compile their consumers keep their own copy.)"""
+    consumer can reuse codes of a tensor changed since. Only for outputs no code changes in
+    place: the fused attention's (Hugging Face's attention reshapes it for the output
+    projection), and the norms inside a Hugging Face block that ``after_wrap`` marks
+    (``mesa_share_traced``: GPT-2's ``ln_1``, Llama's ``input_layernorm``, ...). Other norms and
+    the activations keep ``quant.share``: user code and mesa_lite's own in-place activations
+    change those in place (an in-place ReLU after a LayerNorm, a compiled backbone's last
+    norm), so under compile their consumers keep their own copy."""
     if not torch.compiler.is_compiling():
-        quant.share(out, p, memory_order=True)
+        quant.share(out, p, memory_order=memory_order)
         return out
     if p.spec.exact:
         return out

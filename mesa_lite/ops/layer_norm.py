@@ -17,6 +17,7 @@ from mesa_lite.ops.common import (
     first_order_only,
     plain_under_functorch,
     register_probe,
+    shared_output,
 )
 
 register_probe("layer_norm", 1, lambda a: F.layer_norm(a, (1,)))
@@ -61,7 +62,8 @@ class LayerNormFn(torch.autograd.Function):
     nothing of ``x``."""
 
     @staticmethod
-    def forward(ctx, x, normalized_shape, weight, bias, eps: float, spec: QuantSpec):
+    def forward(ctx, x, normalized_shape, weight, bias, eps: float, spec: QuantSpec,
+                traced: bool = False):  # fmt: skip
         out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
         ctx.normalized_shape = normalized_shape
         ctx.x_dtype = x.dtype
@@ -72,7 +74,10 @@ class LayerNormFn(torch.autograd.Function):
         p = keep_normalized(x, mean, rstd, spec)
         quant.save(ctx, p, mean, rstd, weight, bias)
         step = ("affine", out.dtype, normalized_shape, eps)
-        quant.share(out, p.derived(step, out.dtype, aux=(weight, bias)))
+        shared = p.derived(step, out.dtype, aux=(weight, bias))
+        if traced:  # a block-internal norm (``ops.common.shared_output``)
+            return shared_output(out, shared)
+        quant.share(out, shared)
         return out
 
     @staticmethod
@@ -84,7 +89,7 @@ class LayerNormFn(torch.autograd.Function):
         gx, gw, gb = layer_norm_backward(
             grad, px, mean, rstd, weight, bias, ctx.normalized_shape, shape, ctx.x_dtype, mask
         )
-        return gx, None, gw, gb, None, None
+        return gx, None, gw, gb, None, None, None
 
 
 def keep_normalized(x, mean, rstd, spec: QuantSpec) -> quant.Packed:
@@ -125,9 +130,12 @@ def layer_norm_backward(grad, px, mean, rstd, weight, bias, normalized_shape, x_
     )
 
 
-def layer_norm(x, shape: tuple, weight, bias, eps: float, spec: QuantSpec) -> torch.Tensor:
+def layer_norm(x, shape: tuple, weight, bias, eps: float, spec: QuantSpec,
+               traced: bool = False) -> torch.Tensor:  # fmt: skip
+    """``F.layer_norm`` keeping its normalized input compressed; ``traced``: its output's codes
+    serve its consumer under torch.compile too (a block-internal norm, ``shared_output``)."""
     if plain_under_functorch("LayerNorm"):
         return F.layer_norm(x, shape, weight, bias, eps)
     dtype = autocast_dtype("layer_norm", x.device)
     w, b = autocast_cast(weight, dtype), autocast_cast(bias, dtype)
-    return LayerNormFn.apply(autocast_cast(x, dtype), shape, w, b, eps, spec)
+    return LayerNormFn.apply(autocast_cast(x, dtype), shape, w, b, eps, spec, traced)

@@ -33,6 +33,7 @@ from mesa_lite.ops.common import (
     first_order_only,
     plain_under_functorch,
     register_probe,
+    shared_output,
 )
 from mesa_lite.ops.layer_norm import fused, fused_backward, keep_normalized
 
@@ -78,7 +79,7 @@ class RMSNormFn(torch.autograd.Function):
     Linear (q/k/v, gate/up projections) keeps no second copy."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, form: str, dims: int, spec: QuantSpec):
+    def forward(ctx, x, weight, eps, form: str, dims: int, spec: QuantSpec, traced: bool = False):
         out, rstd = rms_forward(x, weight, eps, form, dims)
         if spec.exact or not quant.compressible(x):
             p = quant.quantize(x, spec)
@@ -86,8 +87,11 @@ class RMSNormFn(torch.autograd.Function):
             p = keep_normalized(x, torch.zeros_like(rstd), rstd, spec)
         quant.save(ctx, p, rstd, weight)
         step = ("rms", out.dtype, x.dtype, form, eps, dims)
-        quant.share(out, p.derived(step, out.dtype, aux=(weight,)))
         ctx.cfg = (eps, form, dims, x.dtype)
+        shared = p.derived(step, out.dtype, aux=(weight,))
+        if traced:  # a block-internal norm (``ops.common.shared_output``)
+            return shared_output(out, shared)
+        quant.share(out, shared)
         return out
 
     @staticmethod
@@ -98,7 +102,7 @@ class RMSNormFn(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if p.spec.exact:
             return (*_autograd_grads(p, weight, grad, eps, form, dims, need_x, need_w),
-                    None, None, None, None)  # fmt: skip
+                    None, None, None, None, None)  # fmt: skip
         row_len = math.prod(p.shape[len(p.shape) - dims :])
         if fused_backward(p, grad, rstd, row_len, x_dtype):
             g_x, g_w, _ = fused.norm_backward(
@@ -107,7 +111,7 @@ class RMSNormFn(torch.autograd.Function):
                 need_sums=need_w and weight is not None, use_triton=True,
             )  # fmt: skip
             g_w = None if g_w is None else g_w.view(weight.shape).to(weight.dtype)
-            return g_x, g_w, None, None, None, None
+            return g_x, g_w, None, None, None, None, None
         h = quant.dequantize(p, torch.float32)
         red = tuple(range(-dims, 0))
         lead = tuple(range(h.dim() - dims))
@@ -128,7 +132,7 @@ class RMSNormFn(torch.autograd.Function):
         g_x = None
         if need_x:
             g_x = (rstd * (g_h - h * (g_h * h).mean(red, keepdim=True))).to(x_dtype)
-        return g_x, g_w, None, None, None, None
+        return g_x, g_w, None, None, None, None, None
 
 
 def _autograd_grads(p, weight, grad, eps, form, dims, need_x, need_w):
@@ -144,11 +148,13 @@ def _autograd_grads(p, weight, grad, eps, form, dims, need_x, need_w):
     return g_x, g_w
 
 
-def rms_norm(x, weight, eps, form: str, dims: int, spec: QuantSpec) -> torch.Tensor:
-    """The RMSNorm of ``form`` keeping its normalized input compressed (``RMSNormFn``)."""
+def rms_norm(x, weight, eps, form: str, dims: int, spec: QuantSpec,
+             traced: bool = False) -> torch.Tensor:  # fmt: skip
+    """The RMSNorm of ``form`` keeping its normalized input compressed (``RMSNormFn``);
+    ``traced`` as ``layer_norm``'s."""
     if plain_under_functorch("RMSNorm"):
         return rms_forward(x, weight, eps, form, dims)[0]
     if form == "torch":  # F.rms_norm is an op autocast may cast; the HF formula casts itself
         dtype = autocast_dtype("rms_norm", x.device)
         x, weight = autocast_cast(x, dtype), autocast_cast(weight, dtype)
-    return RMSNormFn.apply(x, weight, eps, form, dims, spec)
+    return RMSNormFn.apply(x, weight, eps, form, dims, spec, traced)
