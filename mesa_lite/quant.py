@@ -499,10 +499,11 @@ def _reused(codes, scales, meta: tuple, aux, x: torch.Tensor) -> Packed:
 TRACED_ATTR = "_mesa_codes"
 
 
-def share_traced(x: torch.Tensor, p: Packed) -> None:
-    """Under torch.compile: ``p`` (compressed, in ``x``'s memory order) as the codes of ``x``,
-    a dense producer's output."""
-    if _dense(x):
+def share_traced(x: torch.Tensor, p: Packed, memory_order: bool = False) -> None:
+    """Under torch.compile: ``p`` (compressed, in ``x``'s memory order with ``memory_order``,
+    else in its logical order) as the codes of ``x``, a producer's output (dense where in
+    memory order; a consumer takes logical-order codes only through a contiguous tensor)."""
+    if not memory_order or _dense(x):  # (_dense sorts strides: a graph break when symbolic)
         setattr(x, TRACED_ATTR, (p.codes, p.scales, p.meta(), p.aux, _prod(x.shape)))
 
 
@@ -522,7 +523,10 @@ def _lookup_traced(x: torch.Tensor, t: torch.Tensor, spec: QuantSpec) -> Packed 
     view ``propagate_traced`` gave them to), when their spec fits and ``t`` is contiguous over
     all of their memory (its logical order is then their memory order)."""
     entry = getattr(t, TRACED_ATTR, None)
-    if entry is None:
+    # a view, as the producer returned it: autograd refuses to change it in place. (torch 2.11
+    # hands a graph's output to the code after a graph break as a plain tensor, which can
+    # be changed in place there, and Dynamo still carries the attribute: not taken then)
+    if entry is None or t._base is None:
         return None
     codes, scales, meta, aux, numel = entry
     if not (_fits(meta[2], spec) and t.is_contiguous() and t.numel() == numel):

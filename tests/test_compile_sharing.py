@@ -63,7 +63,7 @@ def test_compiled_keeps_the_code_tensors_eager_keeps(family):
     """Counted on a 2-layer model (aot_eager, bf16 autocast): compiled keeps eager's code
     tensors plus ``EXTRA`` (before the attention output: 2 more each; before the marked norms
     and activations: 4 more for GPT-2 and Llama, 8 for BERT); the gradients are eager mode's,
-    GPT-2's and Llama's bit for bit (the same codes), BERT's within int8's rounding."""
+    GPT-2's bit for bit (the same codes), the others' within int8's rounding."""
     torch._dynamo.reset()
     batch = _batch()
     eager = _lm(family).train()
@@ -73,7 +73,7 @@ def test_compiled_keeps_the_code_tensors_eager_keeps(family):
     n_compiled, g_compiled = _codes_and_grads(compiled, batch)
     assert n_compiled == n_eager + EXTRA[family], (n_compiled, n_eager)
     assert g_compiled.keys() == g_eager.keys()
-    if family != "bert":
+    if family == "gpt2":  # (Llama's grouped k/v heads: torch 2.11 sums their grads otherwise)
         for n, g in g_eager.items():
             assert torch.equal(g, g_compiled[n]), n
     for n, g in g_eager.items():
@@ -165,6 +165,32 @@ def test_an_in_place_change_of_a_marked_norm_output_is_refused():
     ln_1.register_forward_hook(lambda m, a, out: out * 2.0)
     torch._dynamo.reset()
     torch.compile(model, backend="aot_eager")(**batch).loss.backward()
+
+
+def test_an_in_place_change_across_a_graph_break_is_refused_or_taken():
+    """The same change in a hook with a graph break before it: torch 2.14 hands the next graph
+    the protected view (PyTorch's error); torch 2.11 a plain tensor, whose codes the consumer
+    then does not take (its own copy: the gradients of the changed output). Never stale."""
+    batch = _batch()
+    torch.manual_seed(0)
+    plain = tf.GPT2LMHeadModel._from_config(tiny_lm_config("gpt2"), attn_implementation="sdpa")
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain))
+
+    def hook(module, args, out):
+        torch._dynamo.graph_break()
+        out.mul_(2.0)
+
+    for m in (plain, wrapped):
+        m.transformer.h[0].ln_1.register_forward_hook(hook)
+    _, want = _codes_and_grads(plain, batch)
+    torch._dynamo.reset()
+    try:
+        _, got = _codes_and_grads(torch.compile(wrapped, backend="aot_eager"), batch)
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps PyTorch's error in its own types
+        assert "modified inplace" in str(e), e
+        return
+    w = "transformer.h.0.attn.c_attn.weight"
+    assert sqnr_db(want[w], got[w]) > 30, sqnr_db(want[w], got[w])
 
 
 def test_a_compiled_bert_s_returned_states_stay_writable():

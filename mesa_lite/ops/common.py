@@ -194,7 +194,7 @@ def shared_output(out: torch.Tensor, p: quant.Packed, memory_order: bool = False
     if p.spec.exact:
         return out
     out = out.view_as(out)
-    quant.share_traced(out, p)
+    quant.share_traced(out, p, memory_order)
     return out
 
 
