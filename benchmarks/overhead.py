@@ -49,7 +49,6 @@ if __package__ in (None, ""):  # run as a script: import the rest from the insta
     __package__ = "mesa_lite.benchmarks"
 
 import mesa_lite
-from mesa_lite.ops import layer_norm as layer_norm_op
 
 from .common import (
     Outputs,
@@ -220,6 +219,8 @@ def measure(kind: str, args) -> dict:
     if device.type == "cuda":
         variants["triton_run"] = (wrapped, inputs, lambda: launcher_switches(static=False))
         if kind in NORM_KINDS:
+            from mesa_lite.ops import layer_norm as layer_norm_op
+
             variants["fused_norm"] = (
                 wrapped, inputs, lambda: mock.patch.object(layer_norm_op, "FUSED_BACKWARD", True)
             )  # fmt: skip
