@@ -132,12 +132,10 @@ class ActivationFn(torch.autograd.Function):
             step = ("act", x.dtype, fn, state)
         ctx.fn, ctx.grad_fn, ctx.state, ctx.x_dtype = fn, grad_fn, state, x.dtype
         if out.shape == x.shape and out_shared:
-            if traced:  # a block-internal output (``ops.common.shared_output``); not in place
-                return shared_output(out, p.derived(step, out.dtype))
-            if shared is None:
-                quant.share(out, p.derived(step, out.dtype))
-            else:  # registered by the caller: apply bumps a dirty output's version on return
-                shared.append(p.derived(step, out.dtype))
+            if shared is None:  # traced: a block-internal output, shared under compile too
+                return shared_output(out, p.derived(step, out.dtype), traced=traced)
+            # in place: registered by the caller (apply bumps a dirty output's version on return)
+            shared.append(p.derived(step, out.dtype))
         return out
 
     @staticmethod

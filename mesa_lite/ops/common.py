@@ -173,7 +173,8 @@ def fresh(out: torch.Tensor) -> torch.Tensor:
     return out.detach()
 
 
-def shared_output(out: torch.Tensor, p: quant.Packed, memory_order: bool = False) -> torch.Tensor:
+def shared_output(out: torch.Tensor, p: quant.Packed, memory_order: bool = False,
+                  traced: bool = True) -> torch.Tensor:  # fmt: skip
     """Inside a producer's Function: registers ``p``, the codes of its output ``out`` (in memory
     order with ``memory_order``), for the consumer, and returns the output. In eager mode
     through the registry (``quant.share``).
@@ -181,15 +182,16 @@ def shared_output(out: torch.Tensor, p: quant.Packed, memory_order: bool = False
     Under torch.compile, where Dynamo traces no ``id()`` and reads no version counter, the
     codes ride on the output as an attribute (``quant.share_traced``), and the output is a
     view of ``out`` made here (no copy), which autograd refuses to change in place, so no
-    consumer can reuse codes of a tensor changed since. Only for outputs no code changes in
-    place: the fused attention's (Hugging Face's attention reshapes it for the output
-    projection), and the norms inside a Hugging Face block that ``after_wrap`` marks
-    (``mesa_share_traced``: GPT-2's ``ln_1``, Llama's ``input_layernorm``, ...). Other norms and
-    the activations keep ``quant.share``: user code and mesa_lite's own in-place activations
-    change those in place (an in-place ReLU after a LayerNorm, a compiled backbone's last
-    norm), so under compile their consumers keep their own copy."""
-    if not torch.compiler.is_compiling():
-        quant.share(out, p, memory_order=memory_order)
+    consumer can reuse codes of a tensor changed since. Only where ``traced``, for outputs no
+    code changes in place: the fused attention's (Hugging Face's attention reshapes it for the
+    output projection), and the norms' and activations' inside a Hugging Face block that
+    ``after_wrap`` marks (``mesa_share_traced``: GPT-2's ``ln_1``, Llama's
+    ``input_layernorm``, ...). Other norms and activations are not shared under compile
+    (``traced`` False): user code and mesa_lite's own in-place activations change those in
+    place (an in-place ReLU after a LayerNorm, a compiled backbone's last norm), so there their
+    consumers keep their own copy."""
+    if not (traced and torch.compiler.is_compiling()):
+        quant.share(out, p, memory_order=memory_order)  # (nothing under compile)
         return out
     if p.spec.exact:
         return out

@@ -74,11 +74,8 @@ class LayerNormFn(torch.autograd.Function):
         p = keep_normalized(x, mean, rstd, spec)
         quant.save(ctx, p, mean, rstd, weight, bias)
         step = ("affine", out.dtype, normalized_shape, eps)
-        shared = p.derived(step, out.dtype, aux=(weight, bias))
-        if traced:  # a block-internal norm (``ops.common.shared_output``)
-            return shared_output(out, shared)
-        quant.share(out, shared)
-        return out
+        # traced: a block-internal norm, shared under compile too
+        return shared_output(out, p.derived(step, out.dtype, aux=(weight, bias)), traced=traced)
 
     @staticmethod
     @first_order_only

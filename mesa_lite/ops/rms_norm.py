@@ -88,11 +88,8 @@ class RMSNormFn(torch.autograd.Function):
         quant.save(ctx, p, rstd, weight)
         step = ("rms", out.dtype, x.dtype, form, eps, dims)
         ctx.cfg = (eps, form, dims, x.dtype)
-        shared = p.derived(step, out.dtype, aux=(weight,))
-        if traced:  # a block-internal norm (``ops.common.shared_output``)
-            return shared_output(out, shared)
-        quant.share(out, shared)
-        return out
+        # traced: a block-internal norm, shared under compile too
+        return shared_output(out, p.derived(step, out.dtype, aux=(weight,)), traced=traced)
 
     @staticmethod
     @first_order_only
