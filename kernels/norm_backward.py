@@ -190,13 +190,13 @@ def norm_backward(
         ``need_x``), the fp32 column sums of ``dy * x_hat`` and of ``dy``, ``row_len`` each
         (None without ``need_sums``); the caller casts them to the parameters' dtypes.
     """
-    n_rows = _check(codes, scales, group_size, bits, grad, rstd, weight, row_len)
     if use_triton is None:
         use_triton = use_triton_for(grad)
-    if not use_triton:
+    if not use_triton:  # (checks its arguments itself)
         return norm_backward_ref(codes, scales, group_size, bits, grad, rstd, weight, x_dtype,
                                  row_len, center=center, hf=hf, need_x=need_x,
                                  need_sums=need_sums)  # fmt: skip
+    n_rows = _check(codes, scales, group_size, bits, grad, rstd, weight, row_len)
     grad = grad.contiguous()
     device = grad.device
     dx = torch.empty(grad.shape, dtype=x_dtype, device=device) if need_x else None

@@ -114,8 +114,7 @@ class MesaModule:
 
 # attributes a converted module learns while training (ops/relu.py), dropped by to_original and
 # by a new from_module
-_STATE = ("_mesa_relu_state", "_mesa_last_offer", "_mesa_unclaimed", "_mesa_proved_attrs",
-          "mesa_share_traced")  # fmt: skip
+_STATE = ("_mesa_relu_state", "_mesa_last_offer", "_mesa_unclaimed", "_mesa_proved_attrs")
 
 _GLOBAL_HOOKS = tuple(
     d

@@ -31,10 +31,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from mesa_lite import modules as mesa_modules
 from mesa_lite import quant, recognize
 from mesa_lite.config import QuantSpec
-from mesa_lite.modules import GELU_FORMS, Activation, MesaModule, SiLU
+from mesa_lite.modules import GELU_FORMS, Activation, LayerNorm, MesaModule, RMSNorm, SiLU
 from mesa_lite.ops.attention import scaled_dot_product_attention
 from mesa_lite.ops.common import in_functorch_transform, needs_grad
 from mesa_lite.ops.cross_entropy import cross_entropy
@@ -536,7 +535,7 @@ def _mark_block_internal(model: nn.Module) -> None:
             continue
         for name in BLOCK_INTERNAL.get(cls.__name__, ()):
             child = getattr(module, name, None)
-            if isinstance(child, (Activation, mesa_modules.LayerNorm, mesa_modules.RMSNorm)):
+            if isinstance(child, (Activation, LayerNorm, RMSNorm)):
                 child.mesa_share_traced = True
 
 

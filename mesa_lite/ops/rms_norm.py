@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from mesa_lite import quant
 from mesa_lite.config import QuantSpec
+from mesa_lite.kernels import norm_backward as fused
 from mesa_lite.ops.common import (
     autocast_cast,
     autocast_dtype,
@@ -35,7 +36,7 @@ from mesa_lite.ops.common import (
     register_probe,
     shared_output,
 )
-from mesa_lite.ops.layer_norm import fused, fused_backward, keep_normalized
+from mesa_lite.ops.layer_norm import fused_backward, keep_normalized
 
 register_probe("rms_norm", 1, lambda a: F.rms_norm(a, (1,)))
 
