@@ -387,10 +387,13 @@ def _tiny_model():
     return nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 3))
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("transform", ["grad", "vjp", "jacrev", "vmap_grad"])
-def test_torch_func_transforms_run_plain_with_a_warning(transform):
+def test_torch_func_transforms_run_plain_with_a_warning(transform, compiled):
     """Inside torch.func transforms the wrapped layers run as plain torch (exact), with a
-    one-time warning naming mesa_lite; results equal the unwrapped model's."""
+    one-time warning naming mesa_lite; results equal the unwrapped model's. Also when
+    torch.compile traces the transform (fullgraph): mesa_lite read "no transform" there
+    before, and every layer after the first got a zero gradient."""
     plain = _tiny_model()
     wrapped = mesa_lite.wrap(copy.deepcopy(plain))
     params = {k: v.detach() for k, v in plain.named_parameters()}
@@ -415,9 +418,13 @@ def test_torch_func_transforms_run_plain_with_a_warning(transform):
 
     ref = apply(plain)
     mesa_lite.ops.common._WARNED.discard("functorch")
+    run = apply
+    if compiled:
+        torch._dynamo.reset()
+        run = torch.compile(apply, backend="aot_eager", fullgraph=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = apply(wrapped)
+        got = run(wrapped)
     assert any("mesa_lite" in str(w.message) and "torch.func" in str(w.message) for w in caught)
     for k in ref:
         assert_equal(got[k], ref[k], k)

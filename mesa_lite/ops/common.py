@@ -387,11 +387,17 @@ def check_cpu_bf16(x: torch.Tensor) -> None:
 
 
 def in_functorch_transform() -> bool:
-    """Inside a torch.func transform (grad, vjp, jacrev, vmap, ...); never while torch.compile
-    traces (its own functorch layers are not the user's transforms)."""
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    """Inside a torch.func transform (grad, vjp, jacrev, vmap, ...), in eager mode and while
+    torch.compile traces one (``torch.compile(lambda p: torch.func.grad(f)(p))``).
+
+    Dynamo reads ``peek_interpreter_stack()`` at trace time and wraps its value, None
+    included, in an object that ``is not None`` always; ``isinstance`` it answers from the
+    value (torch 2.11-2.15, fullgraph). Answering False while tracing, as before, sent the
+    transform through the compressed Functions, which are not functorch-aware: every
+    layer after the first got a zero gradient, silently."""
+    return isinstance(
+        torch._C._functorch.peek_interpreter_stack(), torch._C._functorch.CInterpreter
+    )
 
 
 def plain_under_functorch(name: str) -> bool:
