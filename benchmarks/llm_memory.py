@@ -91,6 +91,7 @@ MODES = {
 COMPILED = {
     "plain-compiled": ("plain", {"trace.enabled": False}, None),
     "int8-compiled": ("int8", None, None),
+    "int8-logits-compiled": ("int8-logits", None, None),
     "hf-ckpt-compiled": ("hf-ckpt", {"trace.enabled": False, "trace.debug_log": False}, None),
     "budget0.5-compiled": (
         "plain", {"trace.enabled": False, "trace.info_log": False},
@@ -100,6 +101,8 @@ COMPILED = {
 MODES.update({
     "plain-compiled": "torch.compile(model)",
     "int8-compiled": "mesa_lite.compile(mesa_lite.wrap(model))",
+    "int8-logits-compiled": "mesa_lite.compile(mesa_lite.wrap(model, Config(keep_logits=True))):"
+    " the logits built, head and loss not fused",
     "hf-ckpt-compiled": "torch.compile of the model with activation_checkpointing_enable()",
     "budget0.5-compiled": "torch.compile with activation_memory_budget 0.5",
     "fp8-compiled": "torch.compile with Inductor's fp8 (e5m2) saved-activation pass",
@@ -207,13 +210,15 @@ def make_model(name: str, mode: str, attention: str = "sdpa", config=None):
     if mode in COMPILED:
         base, options, _ = COMPILED[mode]
         model = make_model(name, base, attention, config)
-        if base != "int8":
+        if not base.startswith("int8"):
             return torch.compile(model, options=options)
         return mesa_lite.compile(model, options=options)
     torch.manual_seed(0)  # every row of a model starts from the same weights
     model = auto.from_config(config, attn_implementation=attention).train()
     if mode == "int8":
         mesa_lite.wrap(model)
+    elif mode == "int8-logits":
+        mesa_lite.wrap(model, mesa_lite.Config(keep_logits=True))
     elif mode == "int4":
         mesa_lite.wrap(model, mesa_lite.Config(bits=4))
     elif mode == "hf-ckpt":
