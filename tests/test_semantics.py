@@ -4,8 +4,10 @@ the gradients asked for do not need), parametrizations, torch.func transforms, p
 Config, and writes that bypass autograd's version counter."""
 
 import copy
+import gc
 import pickle
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from conftest import assert_equal, saved_activation_bytes, sqnr_db
 from torch.nn.utils import parametrize
 
 import mesa_lite
-from mesa_lite import Config, QuantSpec
+from mesa_lite import Config, QuantSpec, quant
 from mesa_lite.modules import matmul, scaled_dot_product_attention
 
 MODES = {"debug_exact": True, "int8": False}
@@ -184,6 +186,30 @@ def test_dtype_semantics_as_torch(name, case):
         else:
             assert isinstance(got, torch.Tensor), f"{what}: torch ran, wrapped raised {got}"
             assert_equal(got, ref, what)
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["int8", "exact"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("name", MODULES)
+def test_a_forward_without_backward_frees_its_graph(name, dtype, exact):
+    """A training forward whose backward never runs (an exception between the two, a loss
+    computed under grad and dropped) frees its graph when its output goes, as torch's does:
+    nothing a Function saves ties its output to its own graph node (fp64 attention saved a
+    permuted view of its output and leaked the whole graph), and the sharing registry keeps
+    no entry."""
+    _, wrapped = _pair(name, exact)
+    wrapped.to(dtype).train()
+    gc.collect()
+    before = set(quant._SHARED)  # entries of tensors other tests keep alive
+    alive = []
+    for _ in range(3):
+        x = torch.randn(2, 5, 12, dtype=dtype, requires_grad=True)
+        alive.append(weakref.ref(x))
+        out = wrapped(x)
+        del out, x
+    gc.collect()
+    assert [r() is None for r in alive] == [True] * 3
+    assert set(quant._SHARED) <= before
 
 
 def test_layernorm_fp32_params_on_bf16_input_gradients():

@@ -35,9 +35,10 @@ def _keep_in_memory_order(t: torch.Tensor, spec: QuantSpec) -> tuple[quant.Packe
     batch make) is kept at its un-expanded size and expanded again on rebuild: the layout
     PyTorch's own backward gets (a dense rebuild put the expanded dim innermost, which torch
     2.11's CPU flash backward computed wrong gradients for). In the exact mode ``t`` itself is
-    kept: a permuted view of a Function's output saved for its backward would tie the output
-    to its own graph node, a cycle autograd frees only in backward."""
-    if spec.exact:
+    kept, as is an fp64 ``t`` (kept exactly at any spec): a permuted view of a Function's
+    output saved for its backward would tie the output to its own graph node, a cycle
+    autograd frees only in backward (a forward with no backward leaked its graph)."""
+    if spec.exact or not quant.compressible(t):
         return quant.quantize(t, spec), (tuple(range(t.dim())), None)
     broadcast = [d for d in range(t.dim()) if t.stride(d) == 0 and t.shape[d] > 1]
     expand = None
