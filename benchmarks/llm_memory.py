@@ -81,6 +81,8 @@ MODELS = {
 MODES = {
     "plain": "plain training (baseline)",
     "int8": "mesa_lite.wrap(model)",
+    "int8-logits": "mesa_lite.wrap(model, Config(keep_logits=True)): the logits built, head and"
+    " loss not fused",
     "int4": "mesa_lite.wrap(model, Config(bits=4))",
     "hf-ckpt": "Hugging Face's checkpointing (activation_checkpointing_enable())",
     "ckpt8": "mesa_lite.wrap(model, Config(checkpoint='blocks')): compressed checkpointing",
@@ -146,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "the N largest allocation sites alive at that step's peak (file:line of "
                    "the Python frame, Inductor's generated code included), in PREFIX.md "
                    "(default 0: none)")  # fmt: skip
+    p.add_argument("--head-chunk", type=positive_int, default=None, metavar="ELEMENTS",
+                   help="the fused head and loss's chunk: about this many logits (tokens x "
+                   "vocab) at a time (default: mesa_lite.ops.linear_cross_entropy's "
+                   "CHUNK_ELEMENTS, 2**24)")  # fmt: skip
     add_device_argument(p)
     add_out_argument(p, "llm_memory", "PREFIX.jsonl and .md")
     return p
@@ -384,6 +390,10 @@ def run(argv=None) -> list[dict]:
     import transformers
 
     transformers.logging.set_verbosity_error()
+    from mesa_lite.ops import linear_cross_entropy as lce
+
+    if args.head_chunk is not None:
+        lce.CHUNK_ELEMENTS = args.head_chunk
     device = torch.device(args.device)
     gpu = device.type == "cuda"
     out = Outputs(args.out, "llm_memory")
@@ -399,7 +409,8 @@ def run(argv=None) -> list[dict]:
         all_terms[name], est = estimate(config, args.batch, seq, args)
         for mode in args.modes:
             row = {"model": name, "mode": mode, "batch": args.batch, "seq": seq,
-                   "dtype": args.dtype, "attention": args.attention, **env}  # fmt: skip
+                   "dtype": args.dtype, "attention": args.attention,
+                   "head_chunk": lce.CHUNK_ELEMENTS, **env}  # fmt: skip
             measure_row(row, device, measure, name, mode, config, ids, labels, args)
             if "error" not in row:
                 row.update(est)
