@@ -323,3 +323,30 @@ def test_sdpa_dropout_on_cuda_runs_fused_with_pytorchs_draws(exact, autocast, ma
     ref.backward(g)
     out.backward(g)
     _assert_qkv_grads(exact, (q1, k1, v1), (q2, k2, v2))
+
+
+@pytest.mark.parametrize("heads", [4, 6], ids=["heads-ne-len", "heads-eq-len"])
+def test_fp64_attention_then_an_exact_projection_gives_pytorch_s_gradients(heads):
+    """An fp64 attention output is kept itself (fp64 is kept exactly at any spec), in logical
+    order, and not offered for reuse: a projection with an exact spec (a layer debugged in
+    debug_exact) reading its transposed and reshaped output keeps its own input. Shared, it
+    rebuilt the memory-order layout from the logical-order tensor: a view error, or with as
+    many heads as tokens silently transposed gradients (a review's repro)."""
+    from mesa_lite.ops.linear import linear
+
+    torch.manual_seed(0)
+    B, L, D = 2, 6, 8
+    leaves = [torch.randn(B, L, heads, D, dtype=torch.float64, requires_grad=True)
+              for _ in range(3)]  # fmt: skip
+    w = torch.randn(5, heads * D, dtype=torch.float64, requires_grad=True)
+
+    def grads(attn, lin):
+        q, k, v = (t.transpose(1, 2) for t in leaves)
+        o = attn(q, k, v).transpose(1, 2).reshape(B, L, heads * D)
+        return torch.autograd.grad(lin(o, w).square().sum(), (*leaves, w))
+
+    ref = grads(F.scaled_dot_product_attention, F.linear)
+    got = grads(lambda q, k, v: mesa_sdpa(q, k, v, spec=QuantSpec()),
+                lambda o, w: linear(o, w, None, QuantSpec(exact=True)))  # fmt: skip
+    for a, b in zip(got, ref, strict=True):
+        assert_equal(a, b, "fp64 gradient")

@@ -274,8 +274,9 @@ def _save_attention(ctx, q, k, v, out, spec: QuantSpec, *rest) -> torch.Tensor:
     ctx.n_qkv = len(kept)
     # the output, in memory order, is also the projection's input (timm reshapes it to
     # (B, N, C), a view when the backend wrote it (B, N, H, D)-contiguous as cuDNN does);
-    # in the exact mode the projection keeps its input itself (see _keep_in_memory_order)
-    if not spec.exact:
+    # kept exactly (the exact mode, an fp64 output) the output is kept itself in logical
+    # order (see _keep_in_memory_order), not shared: the projection keeps its input itself
+    if not po.spec.exact:
         out = shared_output(out, po, memory_order=True)
     quant.save(ctx, *kept, po, *rest)
     return out
