@@ -391,10 +391,10 @@ def in_functorch_transform() -> bool:
     torch.compile traces one (``torch.compile(lambda p: torch.func.grad(f)(p))``).
 
     Dynamo reads ``peek_interpreter_stack()`` at trace time and wraps its value, None
-    included, in an object that ``is not None`` always; ``isinstance`` it answers from the
-    value (torch 2.11-2.15, fullgraph). Answering False while tracing, as before, sent the
-    transform through the compressed Functions, which are not functorch-aware: every
-    layer after the first got a zero gradient, silently."""
+    included, in an object whose ``is not None`` is always True; ``isinstance`` on it Dynamo
+    answers from the value (torch 2.11-2.15, fullgraph). Answering False while tracing, as
+    before, sent the transform through the compressed Functions, which are not
+    functorch-aware: every layer after the first got a zero gradient, silently."""
     return isinstance(
         torch._C._functorch.peek_interpreter_stack(), torch._C._functorch.CInterpreter
     )
