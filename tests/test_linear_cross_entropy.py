@@ -212,7 +212,7 @@ def test_cuda_bf16_gradients_match_the_plain_head_and_loss(compiled, monkeypatch
         # Inductor fuses the logits' bf16 rounding into the loss (emulate_precision_casts is off
         # by default), so its loss differs from eager's by about 1e-5 (H200, torch 2.11: 1.1e-5):
         # it must be as close to the fp64 loss as plain bf16's, not equal to it
-        assert abs(got.double() - exact) <= abs(ref.double() - exact) + 1e-4 * exact.abs()
+        assert abs(got.double() - exact) <= abs(ref.double() - exact) + 5e-5 * exact.abs()
     else:
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=0)
     for a, e, t in zip(_grads(got, x, w, b), _grads(ref, x, w, b), _grads(exact, x, w, b),
