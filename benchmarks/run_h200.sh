@@ -4,7 +4,7 @@
 # ./out, a fixed folder: the GPU results committed in benchmarks/results/ were copied from it).
 #   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|main|coverage|speed-compiled|
 #     speed-compiled-options|speed-compiled-others|speed-eager|speed-tests|kernel-bw|kernel-tests|launch|
-#     compile-check|session-check|norm-backward|llm-compiled|llm-timeline|cnn|llm|text|dist|all]
+#     compile-check|session-check|norm-backward|llm-head|llm-compiled|llm-timeline|cnn|llm|text|dist|all]
 #   [extra deit_memory args...]
 # suite: the whole test suite (CPU and CUDA parametrizations), in parallel processes.
 # main: the Quickstart's main job as a new user runs it (python benchmarks/deit_memory.py, its
@@ -219,6 +219,18 @@ if [[ $what == llm-timeline ]]; then
   # alive at its peak (eager int8 beside compiled int8)
   python3 benchmarks/llm_memory.py --models gpt2 --batch 8 --seq 1024 --steps 2 \
     --modes int8 int8-compiled --timeline 15 --out "$OUT/llm_timeline_gpt2" 2>&1 | grep -A 20 "by site"
+fi
+if [[ $what == llm-head ]]; then
+  # issue 52: what the fused head and loss cost GPT-2 small's step (b8 x 1024, bf16), against
+  # the logits built (keep_logits), eager and compiled, each in one run; then the fused head
+  # with 4x the default chunk (2^26 logits a chunk: fewer, larger products, more memory)
+  python3 benchmarks/llm_memory.py --models gpt2 --batch 8 --seq 1024 --steps 6 \
+    --modes plain int8 int8-logits --out "$OUT/llm_head_gpt2_eager" 2>&1 | grep -E "^\| gpt2|rror"
+  python3 benchmarks/llm_memory.py --models gpt2 --batch 8 --seq 1024 --steps 6 --modes int8 \
+    --head-chunk 67108864 --out "$OUT/llm_head_gpt2_chunk26" 2>&1 | grep -E "^\| gpt2|rror"
+  python3 benchmarks/llm_memory.py --models gpt2 --batch 8 --seq 1024 --steps 6 \
+    --modes plain-compiled int8-compiled int8-logits-compiled \
+    --out "$OUT/llm_head_gpt2_compiled" 2>&1 | grep -E "^\| gpt2|rror"
 fi
 if [[ $what == llm-compiled ]]; then
   # issue 38: compiled language models (bf16, same run): compiled plain, mesa_lite compiled,
