@@ -10,8 +10,10 @@ linear cross-entropy), and the weight and bias themselves for autograd's in-plac
 backward scales the gradients by the loss's gradient. No
 tensor of rows x vocab exists outside one chunk, forward or backward.
 
-The loss equals transformers' within fp32 rounding (each chunk's ``F.cross_entropy`` is the
-plain op on that chunk's fp32 logits; the chunks' sums add up in fp32). The gradients are
+The loss equals transformers' within fp32 rounding (each chunk's is ``F.cross_entropy``'s own
+two steps, ``log_softmax`` then ``nll_loss``, bit for bit the plain op on that chunk's fp32
+logits; the chunks' sums add up in fp32). The softmax for the gradient is those
+log-probabilities' ``exp``, in place. The gradients are
 those of the plain head and loss computed chunk by chunk: the weight's and bias's are summed
 over the chunks in fp32 (on CUDA the weight's straight from the product's fp32 accumulator)
 where the plain backward sums all rows in one low-precision matrix product, so they differ
@@ -62,15 +64,19 @@ class LinearCrossEntropyFn(torch.autograd.Function):
                 h, t = xc[start:end], labels[start:end]
                 logits = F.linear(h, w, b)
                 z = logits.float()
-                part = F.cross_entropy(z, t, ignore_index=ignore_index, reduction="sum")
+                # F.cross_entropy's own two steps (its result bit for bit), the
+                # log-probabilities kept for the gradient
+                logp = torch.log_softmax(z, dim=-1)
+                part = F.nll_loss(logp, t, ignore_index=ignore_index, reduction="sum")
                 total = part if total is None else total + part
                 if not (need_x or need_w or need_b):
                     continue
                 keep = t.ne(ignore_index)
-                # softmax minus the one-hot labels, zero on the rows that do not count
-                g = torch.softmax(z, dim=-1)
+                # softmax minus the one-hot labels, zero on the rows that do not count: in
+                # place over the log-probabilities (one chunk-sized fp32 buffer, not three)
+                g = logp.exp_()
                 one = keep.to(g.dtype).unsqueeze(1)
-                g = g.scatter_add(1, torch.where(keep, t, 0).unsqueeze(1), -one) * one
+                g.scatter_add_(1, torch.where(keep, t, 0).unsqueeze(1), -one).mul_(one)
                 g = g.to(logits.dtype)  # as the plain backward: the logits' dtype from here
                 if need_x:
                     gx[start:end] = g @ w
