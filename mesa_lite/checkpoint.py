@@ -743,6 +743,11 @@ def _torch_checkpoint(module: nn.Module, run, hooks: list[str], args: tuple, kwa
 
 @torch._disable_dynamo  # torch.compiler.disable, importing Dynamo at the first call only
 def _dispatch(module: nn.Module, run, spec: QuantSpec, args: tuple, kwargs: dict):
+    # checked here, never traced: Dynamo tracing the flags' reads on the unit's ancestors
+    # (modules it is inlining at that moment, reached again through the unit's __dict__)
+    # failed with an internal KeyError (checkpoint="mlp" or "attention" on a Hugging Face
+    # decoder under torch.compile, torch 2.14)
+    _check_other_checkpointing(module)
     hooks = _recording_hooks(module)
     if hooks:
         return _torch_checkpoint(module, run, hooks, args, kwargs)
@@ -759,10 +764,11 @@ class Checkpointed:
         run = super().forward
         if spec is None or not self.training:
             return run(*args, **kwargs)
-        _check_other_checkpointing(self)
-        if not torch.is_grad_enabled():
-            return run(*args, **kwargs)
-        if in_functorch_transform():
+        if not torch.is_grad_enabled() or in_functorch_transform():
+            # no recompute here: the check only for a clear error in eager mode (a second
+            # checkpointing runs under grad, where _dispatch checks)
+            if not torch.compiler.is_compiling():
+                _check_other_checkpointing(self)
             return run(*args, **kwargs)
         if _is_hf_layer(self):
             args, kwargs = _drop_cache(self, args, kwargs)
