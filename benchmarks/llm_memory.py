@@ -87,6 +87,8 @@ MODES = {
     "hf-ckpt": "Hugging Face's checkpointing (activation_checkpointing_enable())",
     "ckpt8": "mesa_lite.wrap(model, Config(checkpoint='blocks')): compressed checkpointing",
     "ckpt4": "mesa_lite.wrap(model, Config(checkpoint='blocks', checkpoint_bits=4))",
+    "ckpt8-mlp": "mesa_lite.wrap(model, Config(checkpoint='mlp')): each MLP recomputed in"
+    " backward from its input's 8-bit codes, the rest compressed as int8",
 }
 # compiled rows (torch.compile, Inductor): each mode compiles a fresh model with options of its
 # own, so no row reuses another's graph
@@ -94,6 +96,8 @@ COMPILED = {
     "plain-compiled": ("plain", {"trace.enabled": False}, None),
     "int8-compiled": ("int8", None, None),
     "int8-logits-compiled": ("int8-logits", None, None),
+    "ckpt8-compiled": ("ckpt8", None, None),
+    "ckpt8-mlp-compiled": ("ckpt8-mlp", None, None),
     "hf-ckpt-compiled": ("hf-ckpt", {"trace.enabled": False, "trace.debug_log": False}, None),
     "budget0.5-compiled": (
         "plain", {"trace.enabled": False, "trace.info_log": False},
@@ -105,6 +109,8 @@ MODES.update({
     "int8-compiled": "mesa_lite.compile(mesa_lite.wrap(model))",
     "int8-logits-compiled": "mesa_lite.compile(mesa_lite.wrap(model, Config(keep_logits=True))):"
     " the logits built, head and loss not fused",
+    "ckpt8-compiled": "mesa_lite.compile(mesa_lite.wrap(model, Config(checkpoint='blocks')))",
+    "ckpt8-mlp-compiled": "mesa_lite.compile(mesa_lite.wrap(model, Config(checkpoint='mlp')))",
     "hf-ckpt-compiled": "torch.compile of the model with activation_checkpointing_enable()",
     "budget0.5-compiled": "torch.compile with activation_memory_budget 0.5",
     "fp8-compiled": "torch.compile with Inductor's fp8 (e5m2) saved-activation pass",
@@ -216,7 +222,7 @@ def make_model(name: str, mode: str, attention: str = "sdpa", config=None):
     if mode in COMPILED:
         base, options, _ = COMPILED[mode]
         model = make_model(name, base, attention, config)
-        if not base.startswith("int8"):
+        if base in ("plain", "hf-ckpt"):
             return torch.compile(model, options=options)
         return mesa_lite.compile(model, options=options)
     torch.manual_seed(0)  # every row of a model starts from the same weights
@@ -232,6 +238,8 @@ def make_model(name: str, mode: str, attention: str = "sdpa", config=None):
     elif mode in ("ckpt8", "ckpt4"):
         bits = 8 if mode == "ckpt8" else 4
         mesa_lite.wrap(model, mesa_lite.Config(checkpoint="blocks", checkpoint_bits=bits))
+    elif mode == "ckpt8-mlp":
+        mesa_lite.wrap(model, mesa_lite.Config(checkpoint="mlp"))
     return model
 
 
