@@ -223,12 +223,16 @@ fi
 if [[ $what == llm-head ]]; then
   # issue 52: what the fused head and loss cost GPT-2 small's step (b8 x 1024, bf16), against
   # the logits built (keep_logits), eager and compiled, each in one run; then the fused head
-  # with 4x the default chunk (2^26 logits a chunk: fewer, larger products, more memory)
+  # with 4x the default chunk (2^26 logits a chunk: fewer, larger products, more memory) and a
+  # profile of the eager step
   python3 benchmarks/llm_memory.py --models gpt2 --batch 8 --seq 1024 --steps 6 \
     --modes plain int8 int8-logits --out "$OUT/llm_head_gpt2_eager" 2>&1 | grep -E "^\| gpt2|rror"
   python3 benchmarks/llm_memory.py --models gpt2 --batch 8 --seq 1024 --steps 6 --modes int8 \
     --head-chunk 67108864 --out "$OUT/llm_head_gpt2_chunk26" 2>&1 | grep -E "^\| gpt2|rror"
-  python3 benchmarks/llm_memory.py --models gpt2 --batch 8 --seq 1024 --steps 6 \
+  # where the eager step's time goes, plain and wrapped (the head's kernels by name)
+  timeout 120 python3 benchmarks/profile_step.py --model gpt2 --dtype bf16 --batch-size 8 \
+    --seq 1024 --rows 25 --out "$OUT/llm_head_profile_gpt2" 2>&1 | grep -E "GPU kernel time"
+  timeout 330 python3 benchmarks/llm_memory.py --models gpt2 --batch 8 --seq 1024 --steps 6 \
     --modes plain-compiled int8-compiled int8-logits-compiled \
     --out "$OUT/llm_head_gpt2_compiled" 2>&1 | grep -E "^\| gpt2|rror"
 fi
