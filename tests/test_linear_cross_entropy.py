@@ -96,9 +96,11 @@ class _LargestLogits(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[-1] == VOCAB:
-                if t.numel() != VOCAB * HIDDEN:  # the weight (transposed): not logits
-                    self.rows = max(self.rows, t.numel() // VOCAB)
+            if not isinstance(t, torch.Tensor) or t.dim() < 1:
+                continue
+            width = t.shape[-1]  # the vocabulary, or the products' padded vocabulary
+            if width in (VOCAB, lce.padded_vocab(VOCAB)) and t.numel() != width * HIDDEN:
+                self.rows = max(self.rows, t.numel() // width)  # not the weight: logits
         return out
 
 
@@ -111,6 +113,38 @@ def test_no_tensor_of_rows_by_vocab_exists_forward_or_backward(small_chunks):
     with _LargestLogits() as plain:
         F.cross_entropy(F.linear(x, w), labels).backward()
     assert plain.rows == ROWS  # the measure sees the plain op's logits
+
+
+class _Products(TorchDispatchMode):
+    """Records the shapes of every matrix product's operands."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm):
+            self.shapes.append([tuple(a.shape) for a in args if isinstance(a, torch.Tensor)])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_the_products_run_on_the_vocabulary_padded_to_a_multiple_of_64(bias, small_chunks):
+    """Each chunk's logits, the input's and the weight's gradients are products over the
+    vocabulary padded with zero rows of the weight (50 -> 64): aligned strides for cuBLAS
+    (GPT-2's 50,257 is odd). The gradients are the unpadded ones (shapes and values)."""
+    x, w, b, labels = _inputs(bias=bias)
+    with _Products() as seen:
+        loss = lce.linear_cross_entropy(x, w, b, labels)
+        grads = _grads(loss, x, w, b)
+    vocab_dims = {d for shapes in seen.shapes for s in shapes for d in s if d in (VOCAB, 64)}
+    assert len(seen.shapes) == 3 * 5 and vocab_dims == {64}, seen.shapes  # 5 chunks
+    ref = _grads(F.cross_entropy(F.linear(x, w, b), labels), x, w, b)
+    for a, e in zip(grads, ref, strict=True):
+        assert a.shape == e.shape
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-7)
+    aligned = torch.randn(64, 37, requires_grad=True)  # already a multiple: no copy
+    assert lce._padded(aligned, None) is aligned and lce.padded_vocab(50257) == 50304
 
 
 def test_bad_labels_get_a_clear_error():

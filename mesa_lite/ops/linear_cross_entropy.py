@@ -41,6 +41,12 @@ from mesa_lite.ops.cross_entropy import row_chunks
 
 # rows per chunk: about this many fp32 elements of logits at a time (64 MiB)
 CHUNK_ELEMENTS = 1 << 24
+# the products run on a vocabulary padded with zero rows of the weight to a multiple of this:
+# with GPT-2's 50,257 the logits' rows are not 16-byte aligned, and cuBLAS took kernels for
+# unaligned operands that ran the head's three products per chunk at about 80-115 TFLOP/s on
+# the H100 (benchmarks/results/llm_head_profile_gpt2_h100.txt); the plain head has the same
+# cost, and Inductor pads the plain compiled one's strides itself
+VOCAB_ALIGN = 64
 
 
 class LinearCrossEntropyFn(torch.autograd.Function):
@@ -51,8 +57,10 @@ class LinearCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, labels, ignore_index: int, dtype):
         xc = autocast_cast(x, dtype)
-        w, b = autocast_cast(weight, dtype), autocast_cast(bias, dtype)
-        n, vocab = xc.shape[0], w.shape[0]
+        n, vocab = xc.shape[0], weight.shape[0]
+        # the weight (and bias) cast as autocast would, with zero rows up to a multiple of
+        # VOCAB_ALIGN (see padded_vocab): every product below then has aligned strides
+        w, b = _padded(weight, dtype), _padded(bias, dtype)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         need_b = need_b and bias is not None
         gx = torch.empty_like(xc) if need_x else None
@@ -62,7 +70,8 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         with torch.autocast(xc.device.type, enabled=False):  # cast above, as autocast would
             for start, end in row_chunks(n, vocab, CHUNK_ELEMENTS):
                 h, t = xc[start:end], labels[start:end]
-                logits = F.linear(h, w, b)
+                logits_padded = F.linear(h, w, b)
+                logits = logits_padded[:, :vocab]  # each row as the unpadded product's
                 z = logits.float()
                 # F.cross_entropy's own two steps (its result bit for bit), the
                 # log-probabilities kept for the gradient
@@ -77,13 +86,14 @@ class LinearCrossEntropyFn(torch.autograd.Function):
                 g = logp.exp_()
                 one = keep.to(g.dtype).unsqueeze(1)
                 g.scatter_add_(1, torch.where(keep, t, 0).unsqueeze(1), -one).mul_(one)
-                g = g.to(logits.dtype)  # as the plain backward: the logits' dtype from here
+                # as the plain backward: the logits' dtype from here; zero in the padding
+                gp = _pad_columns(g, w.shape[0], logits.dtype)
                 if need_x:
-                    gx[start:end] = g @ w
+                    gx[start:end] = gp @ w
                 if need_w:
-                    gw = accumulate_mm(gw, g.t(), h)
+                    gw = accumulate_mm(gw, gp.t(), h)
                 if need_b:
-                    gb = accumulate_sum(gb, g)
+                    gb = accumulate_sum(gb, gp[:, :vocab])
         if total is None:  # no rows: the plain op's sum over nothing
             total = xc.new_zeros((), dtype=torch.float32)
         ctx.x_dtype = x.dtype
@@ -98,9 +108,36 @@ class LinearCrossEntropyFn(torch.autograd.Function):
         gx, gw, gb, weight, bias = ctx.saved_tensors
         # scaled in fp32, one rounding to each input's dtype (a bf16 product would round twice)
         out_x = None if gx is None else (gx.float() * grad).to(ctx.x_dtype)
-        out_w = None if gw is None else (gw * grad).to(weight.dtype)
+        out_w = None if gw is None else (gw[: weight.shape[0]] * grad).to(weight.dtype)
         out_b = None if gb is None else (gb * grad).to(bias.dtype)
         return out_x, out_w, out_b, None, None, None
+
+
+def padded_vocab(vocab: int) -> int:
+    """``vocab`` rounded up to a multiple of ``VOCAB_ALIGN``."""
+    return -(-vocab // VOCAB_ALIGN) * VOCAB_ALIGN
+
+
+def _padded(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``autocast_cast(t, dtype)`` (a weight or bias, vocabulary first) with zero rows up to
+    ``padded_vocab``, cast and padded in one copy; ``t`` itself where neither is needed."""
+    if t is None:
+        return None
+    rows = padded_vocab(t.shape[0])
+    if rows == t.shape[0]:
+        return autocast_cast(t, dtype)
+    out = t.new_zeros((rows, *t.shape[1:]), dtype=autocast_cast(t[:0], dtype).dtype)
+    out[: t.shape[0]] = t
+    return out
+
+
+def _pad_columns(g: torch.Tensor, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """``g`` (rows x vocab) in ``dtype`` with zero columns up to ``columns``."""
+    if g.shape[1] == columns:
+        return g.to(dtype)
+    out = g.new_zeros((g.shape[0], columns), dtype=dtype)
+    out[:, : g.shape[1]] = g
+    return out
 
 
 def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
