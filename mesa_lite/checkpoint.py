@@ -87,6 +87,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import functools
+import inspect
 import logging
 import sys
 
@@ -542,8 +543,42 @@ def _row_spec(spec: QuantSpec, row: int) -> QuantSpec:
     return spec
 
 
+@functools.lru_cache(maxsize=256)
+def _input_name(cls: type) -> str | None:
+    """The name of the block input, the first parameter (after ``self``) of the first
+    ``forward`` in ``cls``'s MRO that names one (mesa_lite's wrapper classes take ``*args,
+    **kwargs`` and pass them on), where it may be passed by position; else None."""
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for c in cls.__mro__:
+        if c is nn.Module or "forward" not in c.__dict__:
+            continue
+        try:
+            params = list(inspect.signature(c.__dict__["forward"]).parameters.values())[1:]
+        except (TypeError, ValueError):
+            return None
+        if params and params[0].kind in positional:
+            return params[0].name
+        if not params or params[0].kind != inspect.Parameter.VAR_POSITIONAL:
+            return None
+    return None
+
+
+def _input_by_position(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The block input as the first positional argument where the caller passed it by
+    keyword (Llama's, Mistral's and Qwen2's decoder layers call ``self_attn(hidden_states=
+    ...)``): the same call, so that the input is the one compressed."""
+    if args or not kwargs:
+        return args, kwargs
+    name = _input_name(type(module))
+    if name is None or name not in kwargs:
+        return args, kwargs
+    rest = dict(kwargs)
+    return (rest.pop(name),), rest
+
+
 @torch._disable_dynamo  # torch.compiler.disable, importing Dynamo at the first call only
 def _call(module: nn.Module, run, spec: QuantSpec, args: tuple, kwargs: dict):
+    args, kwargs = _input_by_position(module, args, kwargs)
     leaves, treespec = _flatten((args, kwargs))
     # the block input, compressed: the first positional argument's tensors (its leaves come
     # first); the other arguments (masks, rotary tables, a cross-attention input) are kept as
