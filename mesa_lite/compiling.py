@@ -50,8 +50,10 @@ def compile(  # noqa: A001
     """
     import torch
 
+    if model is None:  # the decorator form: the checks below need the model
+        return lambda m: compile(m, mode=mode, options=options, in_place=in_place, **kwargs)
     kwargs.setdefault("dynamic", False)
-    if kwargs.get("fullgraph") and model is not None:
+    if kwargs.get("fullgraph"):
         _refuse_fullgraph_checkpointing(model)
     backend = kwargs.get("backend") or "inductor"
     if backend != "inductor":

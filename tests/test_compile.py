@@ -385,8 +385,9 @@ def test_mesa_lite_compile_turns_off_inductor_peak_memory_reordering(monkeypatch
     assert seen["options"] == {"reorder_for_peak_memory": False}
     seen.clear()
     monkeypatch.setattr(torch, "compile", lambda m=None, **kw: seen.update(kw, model=m) or m)
-    mesa_lite.compile(fullgraph=True)  # without a model: torch.compile's decorator form
-    assert seen["model"] is None and seen["fullgraph"] is True
+    decorate = mesa_lite.compile(fullgraph=True)  # without a model: a decorator
+    assert not seen and decorate(base) is base
+    assert seen["model"] is base and seen["fullgraph"] is True and seen["dynamic"] is False
 
 
 def test_fullgraph_with_mesa_checkpointing_is_refused_by_name():
@@ -397,6 +398,8 @@ def test_fullgraph_with_mesa_checkpointing_is_refused_by_name():
     with pytest.raises(ValueError, match="fullgraph=True cannot trace mesa_lite's activation "
                                          "checkpointing .* e.g. 'blocks.0'"):  # fmt: skip
         mesa_lite.compile(model, backend="aot_eager", fullgraph=True)
+    with pytest.raises(ValueError, match="fullgraph=True cannot trace"):  # the decorator form
+        mesa_lite.compile(backend="aot_eager", fullgraph=True)(model)
     compiled = mesa_lite.compile(model, backend="aot_eager")
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     compiled(x).float().square().mean().backward()
