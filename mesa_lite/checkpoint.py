@@ -230,7 +230,8 @@ class _Call:
     """One checkpointed call: how to run it again and what it recorded."""
 
     __slots__ = ("module", "run", "leaves", "treespec", "slots", "params", "formats",
-                 "autocast", "rng", "out_spec", "out_slots", "out_rest", "no_cache")  # fmt: skip
+                 "autocast", "rng", "out_spec", "out_slots", "out_rest", "no_cache",
+                 "device")  # fmt: skip
 
 
 def _is_cache(x) -> bool:
@@ -387,7 +388,7 @@ class CheckpointFn(torch.autograd.Function):
             quant.quantize(t, spec) if c else t
             for (_, c), t in zip(state.slots, given, strict=True)
         ]
-        state.rng = _rng_state(given[0].device if given else torch.device("cpu"))
+        state.rng = _rng_state(state.device)
         leaves = list(state.leaves)
         for (i, _), t in zip(state.slots, given, strict=True):
             leaves[i] = t
@@ -576,6 +577,17 @@ def _input_by_position(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tu
     return (rest.pop(name),), rest
 
 
+def _unit_device(tensors, leaves, params) -> torch.device:
+    """The device whose RNG and autocast states the recompute replays: the first floating
+    input's, else any tensor argument's (a unit fed token ids, such as an embedding), else the
+    first parameter's. Recording the CPU's for a unit on CUDA with no floating input would
+    let the recompute draw other dropout masks than the forward's."""
+    for t in (*tensors, *leaves, *params):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
 @torch._disable_dynamo  # torch.compiler.disable, importing Dynamo at the first call only
 def _call(module: nn.Module, run, spec: QuantSpec, args: tuple, kwargs: dict):
     args, kwargs = _input_by_position(module, args, kwargs)
@@ -605,8 +617,8 @@ def _call(module: nn.Module, run, spec: QuantSpec, args: tuple, kwargs: dict):
     taken = {i for i, _ in slots}
     state.leaves = tuple(None if i in taken else x for i, x in enumerate(leaves))
     state.no_cache = _cache_slots(module, leaves)
-    device = tensors[0].device.type if tensors else "cpu"
-    state.autocast = _autocast_state(device)
+    state.device = _unit_device(tensors, leaves, params)
+    state.autocast = _autocast_state(state.device.type)
     if slots and slots[0][1] and tensors[0].dim():
         spec = _row_spec(spec, tensors[0].shape[-1])
     outs = CheckpointFn.apply(state, spec, *tensors, *params)

@@ -478,6 +478,33 @@ def test_compiled_checkpointing_of_a_decoders_parts(family, policy, exact):
         compiled(input_ids=ids, attention_mask=mask, labels=ids)
 
 
+def test_a_unit_fed_token_ids_replays_its_own_devices_rng():
+    """The device whose RNG state the recompute replays: the first floating input's, else
+    any tensor argument's (token ids into a checkpointed embedding), else the first
+    parameter's; before, a unit with no floating input always recorded the CPU's, so on CUDA
+    its dropout masks in the recompute would differ from the forward's."""
+    from mesa_lite.checkpoint import _unit_device
+
+    ids = torch.zeros(2, 3, dtype=torch.long, device="meta")
+    weight = nn.Parameter(torch.zeros(4, device="meta"))
+    hidden = torch.zeros(2, device="meta")
+    assert _unit_device([], [None, ids, 0.5], [weight]) == torch.device("meta")
+    assert _unit_device([], [None], [weight]) == torch.device("meta")
+    assert _unit_device([hidden], [ids], []) == torch.device("meta")
+    assert _unit_device([], [None, 1], []) == torch.device("cpu")
+    # on the CPU: a checkpointed embedding with dropout, gradients as the unwrapped model's
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Embedding(16, 8), nn.Dropout(0.5), nn.Linear(8, 4))
+    model = mesa_lite.wrap(copy.deepcopy(plain), Config(checkpoint=["0", "1"], debug_exact=True))
+    tokens = torch.randint(0, 16, (3, 5), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for m in (plain, model):
+        torch.manual_seed(7)
+        m(tokens).square().mean().backward()
+        grads.append(_grads(m))
+    _assert_grads_equal(*grads)
+
+
 def test_timm_checkpointing_turned_on_after_wrap_is_refused():
     x, y = _images()
     model = mesa_lite.wrap(_vit(), Config(checkpoint="blocks"))
