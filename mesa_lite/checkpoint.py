@@ -793,7 +793,7 @@ def _dispatch(module: nn.Module, run, spec: QuantSpec, args: tuple, kwargs: dict
     # checked here, never traced: Dynamo tracing the flags' reads on the unit's ancestors
     # (modules it is inlining at that moment, reached again through the unit's __dict__)
     # failed with an internal KeyError (checkpoint="mlp" or "attention" on a Hugging Face
-    # decoder under torch.compile, torch 2.14)
+    # decoder under torch.compile, torch 2.11 and 2.14)
     _check_other_checkpointing(module)
     hooks = _recording_hooks(module)
     if hooks:

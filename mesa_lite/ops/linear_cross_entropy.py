@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mesa_lite.ops.common import autocast_cast, autocast_dtype, first_order_only
+from mesa_lite.ops.common import autocast_cast, autocast_dtype, cast, first_order_only
 from mesa_lite.ops.cross_entropy import row_chunks
 
 # rows per chunk: about this many fp32 elements of logits at a time (64 MiB)
@@ -87,7 +87,7 @@ class LinearCrossEntropyFn(torch.autograd.Function):
                 one = keep.to(g.dtype).unsqueeze(1)
                 g.scatter_add_(1, torch.where(keep, t, 0).unsqueeze(1), -one).mul_(one)
                 # as the plain backward: the logits' dtype from here; zero in the padding
-                gp = _pad_columns(g, w.shape[0], logits.dtype)
+                gp = _zero_padded(g, 1, w.shape[0], logits.dtype)
                 if need_x:
                     gx[start:end] = gp @ w
                 if need_w:
@@ -123,20 +123,19 @@ def _padded(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor |
     ``padded_vocab``, cast and padded in one copy; ``t`` itself where neither is needed."""
     if t is None:
         return None
-    rows = padded_vocab(t.shape[0])
-    if rows == t.shape[0]:
-        return autocast_cast(t, dtype)
-    out = t.new_zeros((rows, *t.shape[1:]), dtype=autocast_cast(t[:0], dtype).dtype)
-    out[: t.shape[0]] = t
-    return out
+    target = autocast_cast(t[:0], dtype).dtype  # autocast's rule, on no data
+    return _zero_padded(t, 0, padded_vocab(t.shape[0]), target)
 
 
-def _pad_columns(g: torch.Tensor, columns: int, dtype: torch.dtype) -> torch.Tensor:
-    """``g`` (rows x vocab) in ``dtype`` with zero columns up to ``columns``."""
-    if g.shape[1] == columns:
-        return g.to(dtype)
-    out = g.new_zeros((g.shape[0], columns), dtype=dtype)
-    out[:, : g.shape[1]] = g
+def _zero_padded(t: torch.Tensor, dim: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` with zeros after it along ``dim`` up to ``size``, cast and padded in
+    one copy; ``t`` cast (itself in its own dtype) where it has ``size`` already."""
+    if t.shape[dim] == size:
+        return cast(t, dtype)
+    shape = list(t.shape)
+    shape[dim] = size
+    out = t.new_zeros(shape, dtype=dtype)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
     return out
 
 
