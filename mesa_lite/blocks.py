@@ -303,20 +303,37 @@ class GatedMlpFn(torch.autograd.Function):
         gb_dtype, ub_dtype, db_dtype = ctx.bias_dtypes
         n = ctx.needs_input_grad
         need_gu = n[0] or n[1] or n[2] or n[3] or n[4]
-        g = quant.dequantize(pg, g_dtype)
-        u = quant.dequantize(pu, u_dtype)
-        a = run_activation(fn, g, ctx.state)
+        act = _fused_act(grad_fn)
+        if need_gu and act and quant.fused_product(pg, pu, ctx.dtypes[2:]):
+            # the product's gradient first; then the product (for the down projection's
+            # weight) and its factors' gradients in one pass over the codes, g's over the
+            # product's gradient
+            col = ctx.col_major[1]
+            g_prodc = linear_backward(grad, None, dw, dtype, col, (True, False, False),
+                                      dw.dtype, db_dtype)[0].to(prod_dtype)  # fmt: skip
+            prodc, g_g, g_u = quant.gated_backward(pg, pu, g_prodc, act, n[5], in_place=True)
+            del g_prodc
+            _, g_dw, g_db = linear_backward(grad, lambda: prodc, dw, dtype, col,
+                                            (False, n[5], n[6]), dw.dtype, db_dtype)  # fmt: skip
+            del prodc
+        else:
+            g = quant.dequantize(pg, g_dtype)
+            u = quant.dequantize(pu, u_dtype)
+            a = run_activation(fn, g, ctx.state)
 
-        def rebuild_prodc():
-            return autocast_cast(a * u, dtype)
+            def rebuild_prodc():
+                return autocast_cast(a * u, dtype)
 
-        g_prodc, g_dw, g_db = linear_backward(
-            grad, rebuild_prodc, dw, dtype, ctx.col_major[1], (need_gu, n[5], n[6]),
-            dw.dtype, db_dtype,
-        )  # fmt: skip
+            g_prodc, g_dw, g_db = linear_backward(
+                grad, rebuild_prodc, dw, dtype, ctx.col_major[1], (need_gu, n[5], n[6]),
+                dw.dtype, db_dtype,
+            )  # fmt: skip
+            if need_gu:
+                g_prodc = g_prodc.to(prod_dtype)
+                g_g, g_u = _product_grads(g_prodc, g, a, u, fn, grad_fn, ctx.state)
+            del g, u, a, g_prodc
         gx = g_gw = g_gb = g_uw = g_ub = None
         if need_gu:
-            g_g, g_u = _product_grads(g_prodc.to(prod_dtype), g, a, u, fn, grad_fn, ctx.state)
             xs = []
 
             def rebuild_x():
@@ -334,6 +351,15 @@ class GatedMlpFn(torch.autograd.Function):
             if n[0]:
                 gx = g_xg.to(x_dtype) + g_xu.to(x_dtype)
         return gx, g_gw, g_gb, g_uw, g_ub, g_dw, g_db, None
+
+
+def _fused_act(grad_fn) -> str | None:
+    """The activation's name in the product's one-pass backward (``kernels/gated.py``) for
+    its ``grad_fn`` (``ops/activation.py``): SiLU's, GELU's (by its approximation); None
+    (autograd on the formula) takes the op-by-op form."""
+    if grad_fn is silu_grad:
+        return "silu"
+    return {"none": "gelu", "tanh": "gelu_tanh"}.get(grad_fn) if isinstance(grad_fn, str) else None
 
 
 def _product_grads(g_prod, g, a, u, fn, grad_fn, state):
@@ -375,11 +401,16 @@ class GatedProductFn(torch.autograd.Function):
         pg, pu = quant.load(ctx)
         fn, grad_fn, _ = ctx.cfg
         g_dtype, u_dtype, prod_dtype = ctx.dtypes
+        n = ctx.needs_input_grad
+        act = _fused_act(grad_fn)
+        # (the activation's output has g's dtype: SiLU and GELU run in their input's)
+        if act and quant.fused_product(pg, pu, ctx.dtypes):
+            _, g_g, g_u = quant.gated_backward(pg, pu, grad.to(prod_dtype), act, False, False)
+            return (g_g if n[0] else None), (g_u if n[1] else None), None
         g = quant.dequantize(pg, g_dtype)
         u = quant.dequantize(pu, u_dtype)
         a = run_activation(fn, g, ctx.state)
         g_g, g_u = _product_grads(grad.to(prod_dtype), g, a, u, fn, grad_fn, ctx.state)
-        n = ctx.needs_input_grad
         return (g_g if n[0] else None), (g_u if n[1] else None), None
 
 

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from mesa_lite.config import QuantSpec
-from mesa_lite.kernels import group_quant
+from mesa_lite.kernels import gated, group_quant
 from mesa_lite.kernels.launch import HAS_TRITON, use_triton
 
 __all__ = ["Packed", "quantize", "dequantize", "share", "lookup_shared", "save", "load"]
@@ -261,6 +261,33 @@ def gelu_backward(p: Packed, grad: torch.Tensor, approximate: str, dtype: torch.
     """GELU's input gradient from the output gradient and ``p``, the GELU input's codes (no
     recipe, compressed), in one pass: the input is rebuilt in ``dtype`` in registers."""
     return stored(p, dtype, ("gelu_backward", approximate, grad)).view(p.shape)
+
+
+def gated_backward(
+    pg: Packed, pu: Packed, grad: torch.Tensor, act: str, write_prod: bool, in_place: bool
+) -> tuple:
+    """``act(g) * u``'s backward in one pass from ``pg`` and ``pu``, the codes of ``g`` and ``u``
+    (compressed alike, no recipe, one dtype; ``fused_product`` says when): ``(the product or
+    None, g's gradient, u's gradient)``, each of ``g``'s shape and dtype (see
+    ``kernels/gated.py``; ``in_place``: g's gradient over ``grad``, the caller's own)."""
+    spec = pg.spec
+    prod, gg, gu = gated.gated_backward(
+        (pg.codes, pg.scales), (pu.codes, pu.scales), grad, spec.group_size, pg.dtype, act,
+        spec.bits, pg.signed, write_prod=write_prod, in_place=in_place,
+    )  # fmt: skip
+    return (None if prod is None else prod.view(pg.shape)), gg.view(pg.shape), gu.view(pg.shape)
+
+
+def fused_product(pg: Packed | None, pu: Packed | None, dtypes: tuple) -> bool:
+    """Whether ``gated_backward`` can take the product of ``pg`` and ``pu``: compressed codes
+    of one layout, in eager mode (the kernel on CUDA, its reference elsewhere; under
+    torch.compile the op-by-op form, which Inductor fuses itself), and ``dtypes`` (every
+    tensor of the product: its factors, the activation's output, the product) all ``pg``'s."""
+    if pg is None or pu is None or pg.spec.exact or pu.spec.exact or pg.recipe or pu.recipe:
+        return False
+    if pg.spec != pu.spec or pg.signed != pu.signed or pg.shape != pu.shape:
+        return False
+    return not torch.compiler.is_compiling() and all(d == pg.dtype for d in dtypes)
 
 
 def unnormalize(p: Packed, mean: torch.Tensor, rstd: torch.Tensor, dtype: torch.dtype):

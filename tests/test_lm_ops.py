@@ -273,6 +273,98 @@ def test_gated_mlp_block(bias, act, autocast):
     assert kept <= rows * (32 + 2 * 88) * 1.1 + rows * 4, kept
 
 
+def _counting(monkeypatch, module, name):
+    """Counts the calls of ``module.name`` (patched for the test)."""
+    calls, real = [], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("autocast", AUTOCAST, ids=str)
+@pytest.mark.parametrize("act", ["silu", "gelu_new"])
+def test_gated_product_backward_in_one_pass(act, autocast, monkeypatch):
+    """Issue 51: the gated MLP's backward through its product in one pass over the codes of
+    gate and up (``kernels/gated.py``). Off CUDA its reference runs, and gives the op-by-op
+    form's gradients bit for bit; the kernel (Triton's interpreter) within ulps of them."""
+    from mesa_lite.kernels import gated
+
+    from mesa_lite import quant
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(HFStyleRMSNorm(32), GatedMLP(bias=True, act=nn.SiLU if act == "silu"
+                                                       else _gelu_new))  # fmt: skip
+    wrapped = mesa_lite.wrap(copy.deepcopy(plain))
+    x, dtype = torch.randn(3, 20, 32) * 2, AUTOCAST[autocast]
+    calls = _counting(monkeypatch, quant, "gated_backward")
+    _, fused = _grads(wrapped, x, dtype)
+    assert len(calls) == 1, "the one-pass backward ran"
+    with monkeypatch.context() as m:
+        m.setattr(quant, "fused_product", lambda *a: False)
+        _, per_op = _grads(wrapped, x, dtype)
+    assert len(calls) == 1
+    _, exact = _grads(plain, x, dtype)
+    for n, g in per_op.items():
+        if act == "silu":
+            assert_equal(fused[n], g, f"reference vs op by op: grad of {n}")
+        else:  # F.gelu's tanh form where the op-by-op form reruns the module's own formula
+            # (in bf16 op by op, each op rounded): ulps of the activation's output
+            assert sqnr_db(g, fused[n]) >= (120 if dtype is None else 40), n
+    if torch.cuda.is_available():
+        return  # CPU tensors run no compiled kernel: the next test runs it on the GPU
+    kernel = _counting(monkeypatch, gated, "_GATED_BACKWARD")
+    monkeypatch.setattr(gated, "use_triton_for", lambda t: True)
+    _, k = _grads(wrapped, x, dtype)
+    assert len(kernel) == 1, "the kernel ran"
+    for n, g in per_op.items():
+        # the activation's exp/erf differ by ulps (and the formula, for gelu_new); the 8-bit
+        # floor against the exact gradients
+        assert sqnr_db(g, k[n]) >= (120 if dtype is None else 40), n
+        assert sqnr_db(exact[n], k[n]) >= 30, n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gated_product_alone_backward_in_one_pass(dtype, monkeypatch, triton_device):
+    """The product between adapter projections (``GatedProductFn``, PEFT's LoRA) takes the
+    one-pass backward too, never writing over the incoming gradient."""
+    from mesa_lite.kernels import gated
+
+    from mesa_lite import blocks
+    from mesa_lite.config import QuantSpec
+    from mesa_lite.ops.activation import silu_grad
+
+    gen = torch.Generator().manual_seed(0)
+    g0 = (torch.randn(4, 50, 88, generator=gen) * 3).to(dtype=dtype, device=triton_device)
+    u0 = torch.randn(4, 50, 88, generator=gen).to(dtype=dtype, device=triton_device)
+    dp = torch.randn(4, 50, 88, generator=gen).to(dtype=dtype, device=triton_device)
+    spec = QuantSpec()
+
+    def grads(kernel: bool):
+        with monkeypatch.context() as m:  # the kernel (compiled, or in the interpreter) or not
+            m.setattr(gated, "use_triton_for", lambda t: kernel)
+            g, u = g0.clone().requires_grad_(), u0.clone().requires_grad_()
+            out = blocks.GatedProductFn.apply(g, u, (F.silu, silu_grad, spec))
+            assert_equal(out, F.silu(g0) * u0, "forward")
+            before = dp.clone()
+            out.backward(dp)
+            assert_equal(dp, before, "the incoming gradient is left as it was")
+            return g.grad, u.grad
+
+    ref = grads(False)
+    kernel = _counting(monkeypatch, gated, "_GATED_BACKWARD")
+    k = grads(True)
+    assert len(kernel) == 1, "the kernel ran"
+    g, u = g0.clone().requires_grad_(), u0.clone().requires_grad_()
+    (F.silu(g) * u).backward(dp)
+    for a, b, exact in zip(ref, k, (g.grad, u.grad), strict=True):
+        assert sqnr_db(a, b) >= (120 if dtype == torch.float32 else 40)
+        assert sqnr_db(exact, b) >= 30
+
+
 def test_gated_mlp_frozen_and_with_hooks_runs_per_op():
     torch.manual_seed(0)
     plain = GatedMLP()

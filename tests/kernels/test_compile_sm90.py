@@ -21,6 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from mesa_lite.kernels import group_quant as gq
+from mesa_lite.kernels import gated
 from mesa_lite.kernels import norm_backward as nb
 
 def compile_(fn, signature, constexprs, warps):
@@ -72,6 +73,21 @@ for bits, center, has_w, hf, grad, out, row_len in [
               "MID_X": 2 if hf else 0, "MID_G": 0, "OUT_BF16": out == "*i16", "ROWS": rows,
               "BLOCK": block}, warps)
     print("compiled norm backward", bits, row_len)
+
+# the gated product's backward: SiLU into bf16 (in place, bits out), GELU fp16 at 4 bits, the
+# tanh GELU fp32 at 2 bits without the product
+for bits, act, dt, prod in [(8, 0, "*bf16", True), (4, 1, "*fp16", True), (2, 2, "*fp32", False)]:
+    rows, block = gq._launch_shape(128, bits)
+    out = "*i16" if dt == "*bf16" else dt
+    codes = "*i8" if bits == 8 else "*u8"
+    compile_(gated._gated_backward_kernel,
+             {"g_codes_ptr": codes, "g_scales_ptr": "*fp32", "u_codes_ptr": codes,
+              "u_scales_ptr": "*fp32", "dp_ptr": dt, "prod_ptr": out, "gg_ptr": out,
+              "gu_ptr": out, "n": "i32", "n_groups": "i32", "group_size": "i32"},
+             {"QMIN": gq.qrange(True, bits)[0], "BITS": bits, "PER_BYTE": gq.per_byte(bits),
+              "ACT": act, "MID": {"*fp32": 0, "*fp16": 1, "*bf16": 2}[dt], "WRITE_PROD": prod,
+              "ROWS": rows, "BLOCK": block}, 4 if bits == 8 else 2)
+    print("compiled gated backward", bits, act)
 """
 
 
@@ -81,7 +97,7 @@ def test_kernels_compile_for_sm90():
         [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 12, res.stdout
+    assert res.stdout.count("compiled") == 15, res.stdout
 
 
 _ABI_SCRIPT = r"""
