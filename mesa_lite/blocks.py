@@ -313,7 +313,9 @@ class GatedMlpFn(torch.autograd.Function):
                                       dw.dtype, db_dtype)[0].to(prod_dtype)  # fmt: skip
             prodc, g_g, g_u = quant.gated_backward(pg, pu, g_prodc, act, n[5], in_place=True)
             del g_prodc
-            _, g_dw, g_db = linear_backward(grad, lambda: prodc, dw, dtype, col,
+            # (prodc bound as a default, not a closure cell: Dynamo, which traces this
+            # backward under compile, has no handler for deleting a cell)
+            _, g_dw, g_db = linear_backward(grad, lambda p=prodc: p, dw, dtype, col,
                                             (False, n[5], n[6]), dw.dtype, db_dtype)  # fmt: skip
             del prodc
         else:
@@ -329,9 +331,7 @@ class GatedMlpFn(torch.autograd.Function):
                 dw.dtype, db_dtype,
             )  # fmt: skip
             if need_gu:
-                g_prodc = g_prodc.to(prod_dtype)
-                g_g, g_u = _product_grads(g_prodc, g, a, u, fn, grad_fn, ctx.state)
-            del g, u, a, g_prodc
+                g_g, g_u = _product_grads(g_prodc.to(prod_dtype), g, a, u, fn, grad_fn, ctx.state)
         gx = g_gw = g_gb = g_uw = g_ub = None
         if need_gu:
             xs = []
