@@ -38,6 +38,7 @@ from .common import (
 
 torch = lazy_import("torch")
 gq = lazy_import("mesa_lite.kernels.group_quant")
+gated = lazy_import("mesa_lite.kernels.gated")
 
 WIDTHS = {"deit_tiny": 192, "deit_small": 384, "deit_base": 768}
 
@@ -101,7 +102,26 @@ def _cases(rows: int, width: int, g: int) -> list[tuple[str, int, object, object
             lambda: gq.dequantize(ch, sh, g, f16, epilogue=("gelu_backward", "none", h)),
             lambda: torch.ops.aten.gelu_backward(h, h),
         ),
+        (
+            # a gated MLP's product (SwiGLU, the 4C tensor as gate and up): the product and
+            # both factors' gradients from two sets of codes; its torch op is the op-by-op form
+            "gated product backward from codes (4C)",
+            2 * (m + scale_h) + 2 * m + 6 * m,
+            lambda: gated.gated_backward((ch, sh), (ch, sh), h, g, f16, "silu"),
+            lambda: _gated_op_by_op(ch, sh, h, g),
+        ),
     ]
+
+
+def _gated_op_by_op(codes, scales, dp, g):
+    """``blocks.GatedMlpFn``'s op-by-op backward through the product (both factors from the
+    same codes here): two dequantizes, SiLU, the product, two products, SiLU's backward."""
+    f16 = torch.float16
+    gx = gq.dequantize(codes, scales, g, f16).view(dp.shape)
+    ux = gq.dequantize(codes, scales, g, f16).view(dp.shape)
+    a = torch.nn.functional.silu(gx)
+    prod = a * ux
+    return prod, torch.ops.aten.silu_backward(dp * ux, gx), dp * a
 
 
 def _measure(model: str, width: int, batch: int, g: int) -> list[dict]:
@@ -192,7 +212,8 @@ def run(argv=None) -> list[dict]:
         f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
         f"fp16, batch {args.batch_size} x 197 tokens, groups of {args.group_size}. "
         f"torch op: the op the kernel accompanies (LayerNorm forward/backward, GELU "
-        f"forward/backward), for scale.\n\nHost us per call: {host}\n\n"
+        f"forward/backward), for scale; for the gated product's backward, the op-by-op form "
+        f"it replaces.\n\nHost us per call: {host}\n\n"
     )
     tail = f"\nHost profile of 500 quantize calls:\n\n```\n{profile.strip()}\n```\n"
     Outputs(args.out, "kernels").write_report(rows, head + markdown_table(rows, cols) + "\n" + tail)
