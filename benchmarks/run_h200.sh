@@ -191,10 +191,11 @@ if [[ $what == session-check ]]; then
     "-p no:warnings tests/kernels/test_group_quant.py -k 'float16 and not bfloat16'" \
     "-p no:warnings tests/kernels/test_group_quant.py -k 'not float32 and not float16'" \
     "-p no:warnings tests/kernels/test_fused.py -k '(float16 and not bfloat16) or silu or epilogue' \
-     tests/kernels/test_norm_backward.py tests/kernels/test_gated.py" \
+     tests/kernels/test_norm_backward.py tests/kernels/test_gated.py \
+     tests/kernels/test_softmax_backward.py" \
     "-p no:warnings tests/test_attention.py tests/models/test_transformers.py \
      tests/models/test_fused_head.py tests/test_linear_cross_entropy.py tests/test_lm_ops.py \
-     -k 'dropout or cuda or fused or one_pass'"
+     tests/test_modules.py -k 'dropout or cuda or fused or one_pass'"
   for f in "$OUT"/session_check_*.txt; do echo "$(basename "$f"): $(tail -n 1 "$f")"; grep -h "^FAILED" "$f" | head -n 8; done \
     > "$OUT/session_check.txt"
   grep "^|" "$OUT/compile_check.txt" >> "$OUT/session_check.txt"

@@ -129,11 +129,7 @@ def _check(g, u, dp, group_size: int, dtype, act: str, bits: int, numel: int) ->
     if gc.dtype != uc.dtype or gc.shape != uc.shape or gs.shape != us.shape:
         raise ValueError("gated_backward: g's and u's codes and scales must match in shape "
                          "and dtype")  # fmt: skip
-    try:
-        return _check_sizes(gc, gs, group_size, bits, numel)
-    except ValueError as e:
-        raise ValueError(f"gated_backward: the codes do not hold the gradient's {numel} "
-                         f"elements ({e})") from None  # fmt: skip
+    return _check_sizes(gc, gs, group_size, bits, numel, "gated_backward")
 
 
 def gated_backward(

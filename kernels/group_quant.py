@@ -199,17 +199,19 @@ def _check_dequantize_setting(codes_dtype, scales_dtype, dtype, group_size: int,
         raise TypeError(f"dequantize: dtype must be float32, float16 or bfloat16, got {dtype}")
 
 
-def _check_sizes(codes, scales, group_size: int, bits: int, numel: int) -> int:
-    """The number of groups of ``numel`` elements, checked against the codes and scales."""
+def _check_sizes(codes, scales, group_size: int, bits: int, numel: int,
+                 where: str = "dequantize") -> int:  # fmt: skip
+    """The number of groups of ``numel`` elements, checked against the codes and scales
+    (``where``: the function an error names)."""
     if codes.numel() != n_code_bytes(numel, bits):
         raise ValueError(
-            f"dequantize: {numel} elements at {bits} bits need {n_code_bytes(numel, bits)} "
+            f"{where}: {numel} elements at {bits} bits need {n_code_bytes(numel, bits)} "
             f"code bytes, got {codes.numel()}"
         )
     expected = n_groups_of(numel, group_size)
     if scales.numel() != expected:
         raise ValueError(
-            f"dequantize: {numel} elements in groups of {group_size} need {expected} "
+            f"{where}: {numel} elements in groups of {group_size} need {expected} "
             f"scales, got {scales.numel()}"
         )
     return expected

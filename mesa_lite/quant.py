@@ -31,6 +31,7 @@ import torch
 
 from mesa_lite.config import QuantSpec
 from mesa_lite.kernels import gated, group_quant
+from mesa_lite.kernels import softmax_backward as _softmax_backward
 from mesa_lite.kernels.launch import HAS_TRITON, use_triton
 
 __all__ = ["Packed", "quantize", "dequantize", "share", "lookup_shared", "save", "load"]
@@ -288,6 +289,20 @@ def fused_product(pg: Packed | None, pu: Packed | None, dtypes: tuple) -> bool:
     if pg.spec != pu.spec or pg.signed != pu.signed or pg.shape != pu.shape:
         return False
     return not torch.compiler.is_compiling() and all(d == pg.dtype for d in dtypes)
+
+
+def softmax_backward(p: Packed, grad: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """Softmax's input gradient from the output gradient and ``p``, the output's codes, in one
+    pass over rows of the last dimension (``kernels/softmax_backward.py``; its reference off
+    CUDA); None where that does not apply (another ``dim``, a recipe, kept exactly, another
+    dtype, or while compiling: there the op-by-op form, which Inductor fuses)."""
+    if p.spec.exact or p.recipe or grad.dtype != p.dtype or torch.compiler.is_compiling():
+        return None
+    if grad.dim() == 0 or dim % grad.dim() != grad.dim() - 1 or tuple(grad.shape) != tuple(p.shape):
+        return None
+    return _softmax_backward.softmax_backward(
+        p.codes, p.scales, grad, p.spec.group_size, p.dtype, p.spec.bits, p.signed
+    )
 
 
 def unnormalize(p: Packed, mean: torch.Tensor, rstd: torch.Tensor, dtype: torch.dtype):

@@ -189,6 +189,51 @@ def test_matmul_below_2d_runs_plain_op():
     assert "MatMulFn" not in type(y.grad_fn).__name__
 
 
+@pytest.mark.parametrize("dim", [-1, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_softmax_backward_in_one_pass(dtype, dim, monkeypatch, triton_device):
+    """Issue 51: softmax's backward over the last dimension in one pass over its output's codes
+    (``kernels/softmax_backward.py``); its reference off CUDA gives the op-by-op form's
+    gradient bit for bit, the kernel within ulps of it. Another dim takes the op-by-op form."""
+    from mesa_lite.kernels import softmax_backward as sb
+
+    from mesa_lite import quant
+
+    gen = torch.Generator().manual_seed(0)
+    s0 = (torch.randn(2, 3, 20, 50, generator=gen) * 3).to(dtype=dtype, device=triton_device)
+    grad = torch.randn(2, 3, 20, 50, generator=gen).to(dtype=dtype, device=triton_device)
+    spec = QuantSpec()
+    calls = []
+    real = sb.softmax_backward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sb, "softmax_backward", counted)
+
+    def run(kernel: bool, one_pass: bool = True):
+        with monkeypatch.context() as m:
+            m.setattr(sb, "use_triton_for", lambda t: kernel)
+            if not one_pass:
+                m.setattr(quant, "softmax_backward", lambda *a: None)
+            s = s0.clone().requires_grad_()
+            out = mesa_lite.modules.softmax(s, dim, spec)
+            assert_equal(out, torch.softmax(s0, dim), "forward")
+            out.backward(grad)
+            return s.grad
+
+    per_op = run(False, one_pass=False)
+    ref = run(False)
+    assert len(calls) == (1 if dim == -1 else 0)
+    assert_equal(ref, per_op, "reference against the op-by-op form")
+    k = run(True)
+    s = s0.clone().requires_grad_()
+    torch.softmax(s, dim).backward(grad)
+    floor = 120 if dtype == torch.float32 else 45
+    assert sqnr_db(per_op, k) >= floor and sqnr_db(s.grad, k) >= INT8_SQNR_FLOOR_DB
+
+
 def test_softmax_codes_shared_with_next_matmul(device):
     """attn = softmax(s); attn @ v keeps the softmax's uint8 codes, not a second copy."""
     spec = QuantSpec()

@@ -34,6 +34,9 @@ class SoftmaxFn(torch.autograd.Function):
     @first_order_only
     def backward(ctx, grad):
         (py,) = quant.load(ctx)
+        gx = quant.softmax_backward(py, grad, ctx.dim)  # one pass from the codes
+        if gx is not None:
+            return gx, None, None
         y = quant.dequantize(py)
         return torch._softmax_backward_data(grad, y, ctx.dim, y.dtype), None, None
 
