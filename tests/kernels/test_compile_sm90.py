@@ -135,11 +135,24 @@ dequantize = ({"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*i16", "p1
               {"QMIN": 0, "BITS": 4, "PER_BYTE": 2, "OUT_BF16": True, "EPI": 2, "HAS_P1": True,
                "HAS_P2": True, "MID": 0, "RN": True, "LANES": True, "ROWS": 8, "BLOCK": 128},
               "OOOOOiiii")
+# the one-pass backwards: bf16 (int16 stores), n_groups specialized to 1
+gated_bw = ({"g_codes_ptr": "*i8", "g_scales_ptr": "*fp32", "u_codes_ptr": "*i8",
+             "u_scales_ptr": "*fp32", "dp_ptr": "*bf16", "prod_ptr": "*i16", "gg_ptr": "*i16",
+             "gu_ptr": "*i16", "n": "i32", "group_size": "i32"},
+            {"n_groups": 1, "QMIN": -127, "BITS": 8, "PER_BYTE": 1, "ACT": 0, "MID": 2,
+             "WRITE_PROD": True, "ROWS": 32, "BLOCK": 128}, "OOOOOOOOii")
+softmax_bw = ({"codes_ptr": "*u8", "scales_ptr": "*fp32", "grad_ptr": "*fp16",
+               "out_ptr": "*fp16", "n_rows": "i32", "row_len": "i32", "group_size": "i32"},
+              {"QMIN": 0, "BITS": 8, "PER_BYTE": 1, "MID": 1, "OUT_BF16": False, "ROWS": 16,
+               "BLOCK": 256}, "OOOOiii")
+from mesa_lite.kernels import gated, softmax_backward as sb
 for fn, (sig, cx, expected) in ((gq._quantize_kernel, quantize),
-                                (gq._dequantize_kernel, dequantize)):
+                                (gq._dequantize_kernel, dequantize),
+                                (gated._gated_backward_kernel, gated_bw),
+                                (sb._softmax_backward_kernel, softmax_bw)):
     k = triton.compile(ASTSource(fn=fn, signature={**sig, **dict.fromkeys(cx, "constexpr")},
                                  constexprs=cx), target=GPUTarget("cuda", 90, 32))
-    entry = launch.static_entry(k, len(fn.arg_names), tuple(range(5)))
+    entry = launch.static_entry(k, len(fn.arg_names), tuple(range(expected.count("O"))))
     types = entry[3]
     assert types.startswith(expected), (types, expected)
     ptx = k.asm["ptx"]
@@ -159,4 +172,4 @@ def test_static_launch_types_match_the_kernels_parameters():
         [sys.executable, "-c", _ABI_SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("abi") == 2, res.stdout
+    assert res.stdout.count("abi") == 4, res.stdout
