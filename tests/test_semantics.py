@@ -442,12 +442,14 @@ def test_torch_func_transforms_run_plain_with_a_warning(transform, compiled):
             return torch.func.jacrev(f)(params, x)
         return torch.func.vmap(torch.func.grad(f), in_dims=(None, 0))(params, x[:, None])
 
-    ref = apply(plain)
-    mesa_lite.ops.common._WARNED.discard("functorch")
     run = apply
     if compiled:
         torch._dynamo.reset()
         run = torch.compile(apply, backend="aot_eager", fullgraph=True)
+    # compiled, against the unwrapped model compiled alike: compiled and eager jacrev of the
+    # plain model itself differ by an ulp on some CPUs (torch 2.14.1, a 2-core x86 machine)
+    ref = run(plain)
+    mesa_lite.ops.common._WARNED.discard("functorch")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = run(wrapped)
