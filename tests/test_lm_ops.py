@@ -9,7 +9,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import HFStyleRMSNorm, assert_equal, saved_activation_bytes, sqnr_db
+from conftest import (
+    HFStyleRMSNorm,
+    assert_equal,
+    interpreter_runs_loops,
+    saved_activation_bytes,
+    sqnr_db,
+)
 
 import mesa_lite
 from mesa_lite import Config
@@ -316,6 +322,8 @@ def test_gated_product_backward_in_one_pass(act, autocast, monkeypatch):
             assert sqnr_db(g, fused[n]) >= (120 if dtype is None else 40), n
     if torch.cuda.is_available():
         return  # CPU tensors run no compiled kernel: the next test runs it on the GPU
+    if not interpreter_runs_loops():
+        pytest.skip("Triton's interpreter here cannot run the kernel's loop (Triton 3.6)")
     kernel = _counting(monkeypatch, gated, "_GATED_BACKWARD")
     monkeypatch.setattr(gated, "use_triton_for", lambda t: True)
     _, k = _grads(wrapped, x, dtype)
@@ -355,6 +363,8 @@ def test_gated_product_alone_backward_in_one_pass(dtype, monkeypatch, triton_dev
             return g.grad, u.grad
 
     ref = grads(False)
+    if triton_device.type == "cpu" and not interpreter_runs_loops():
+        pytest.skip("Triton's interpreter here cannot run the kernel's loop (Triton 3.6)")
     kernel = _counting(monkeypatch, gated, "_GATED_BACKWARD")
     k = grads(True)
     assert len(kernel) == 1, "the kernel ran"
