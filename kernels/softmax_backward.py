@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .group_quant import _GELU_MID as _MID
 from .group_quant import _check_sizes, dequantize_ref, per_byte, qrange
 from .launch import HAS_TRITON, Launcher
 from .launch import use_triton as use_triton_for
@@ -23,7 +24,6 @@ from .launch import use_triton as use_triton_for
 # the longest row the kernel holds in registers (a program's rows x BLOCK <= 8192 elements);
 # longer rows take the op-by-op form
 MAX_ROW = 8192
-_MID = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 if HAS_TRITON:
     import triton
@@ -36,15 +36,14 @@ if HAS_TRITON:
         codes_ptr,  # codes of the output y, flat in row-major order
         scales_ptr,  # (n_groups,) fp32
         grad_ptr,  # (n_rows * row_len,) the output's gradient
-        out_ptr,  # the input's gradient (int16 bits when OUT_BF16)
+        out_ptr,  # the input's gradient (int16 bits for bf16)
         n_rows,
         row_len,
         group_size,
         QMIN: tl.constexpr,
         BITS: tl.constexpr,
         PER_BYTE: tl.constexpr,
-        MID: tl.constexpr,  # y's dtype: 0 fp32, 1 fp16, 2 bf16
-        OUT_BF16: tl.constexpr,
+        MID: tl.constexpr,  # y's dtype, the gradients' too: 0 fp32, 1 fp16, 2 bf16
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -57,7 +56,7 @@ if HAS_TRITON:
         y = round_to(dequantize_tile(codes_ptr, offs, mask, s, QMIN, BITS, PER_BYTE), MID)
         g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dot = tl.sum(g * y, axis=1)
-        store_as(out_ptr, offs, y * (g - dot[:, None]), mask, OUT_BF16)
+        store_as(out_ptr, offs, y * (g - dot[:, None]), mask, MID == 2)
 
     _SOFTMAX_BACKWARD = Launcher(_softmax_backward_kernel)
     _SOFTMAX_BACKWARD_WIDE = Launcher(_softmax_backward_kernel, num_warps=8)  # rows > 2048
@@ -121,7 +120,7 @@ def softmax_backward(
         ((n_rows + rows - 1) // rows,),
         codes.contiguous(), scales.contiguous(), g, out.view(torch.int16) if bf16 else out,
         n_rows, row_len, group_size, qrange(signed, bits)[0], bits, per_byte(bits),
-        _MID[dtype], bf16, rows, block,
+        _MID[dtype], rows, block,
     )  # fmt: skip
     return out
 

@@ -99,8 +99,8 @@ for bits, dt, row_len in [(8, "*fp16", 197), (4, "*bf16", 1024), (2, "*fp32", sb
               "out_ptr": "*i16" if dt == "*bf16" else dt, "n_rows": "i32", "row_len": "i32",
               "group_size": "i32"},
              {"QMIN": 0, "BITS": bits, "PER_BYTE": gq.per_byte(bits),
-              "MID": {"*fp32": 0, "*fp16": 1, "*bf16": 2}[dt], "OUT_BF16": dt == "*bf16",
-              "ROWS": rows, "BLOCK": block}, 4 if block <= 2048 else 8)
+              "MID": {"*fp32": 0, "*fp16": 1, "*bf16": 2}[dt], "ROWS": rows, "BLOCK": block},
+             4 if block <= 2048 else 8)
     print("compiled softmax backward", bits, row_len)
 """
 
@@ -143,8 +143,8 @@ gated_bw = ({"g_codes_ptr": "*i8", "g_scales_ptr": "*fp32", "u_codes_ptr": "*i8"
              "WRITE_PROD": True, "ROWS": 32, "BLOCK": 128}, "OOOOOOOOii")
 softmax_bw = ({"codes_ptr": "*u8", "scales_ptr": "*fp32", "grad_ptr": "*fp16",
                "out_ptr": "*fp16", "n_rows": "i32", "row_len": "i32", "group_size": "i32"},
-              {"QMIN": 0, "BITS": 8, "PER_BYTE": 1, "MID": 1, "OUT_BF16": False, "ROWS": 16,
-               "BLOCK": 256}, "OOOOiii")
+              {"QMIN": 0, "BITS": 8, "PER_BYTE": 1, "MID": 1, "ROWS": 16, "BLOCK": 256},
+              "OOOOiii")
 from mesa_lite.kernels import gated, softmax_backward as sb
 for fn, (sig, cx, expected) in ((gq._quantize_kernel, quantize),
                                 (gq._dequantize_kernel, dequantize),
