@@ -169,6 +169,19 @@ def device(request):
     return torch.device(request.param)
 
 
+def count_calls(monkeypatch, owner, name: str) -> list:
+    """Patches ``owner.name`` (a module's function or a class's attribute) for the test to
+    count its calls, one entry each in the list returned; the calls still run."""
+    calls, real = [], getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 @functools.cache
 def interpreter_runs_loops() -> bool:
     """Whether Triton's interpreter runs a kernel's loop over a runtime bound (the gated

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_equal, saved_activation_bytes, sqnr_db, tiny_vit
+from conftest import assert_equal, count_calls, saved_activation_bytes, sqnr_db, tiny_vit
 
 import mesa_lite
 from mesa_lite import quant
@@ -341,14 +341,7 @@ def test_mesa_lite_compile_turns_off_inductor_peak_memory_reordering(monkeypatch
     within the int8 floor (the same graphs in another order)."""
     import torch._inductor.memory as inductor_memory
 
-    calls = []
-    original = inductor_memory.reorder_for_peak_memory
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(inductor_memory, "reorder_for_peak_memory", counting)
+    calls = count_calls(monkeypatch, inductor_memory, "reorder_for_peak_memory")
     torch.manual_seed(0)
     base = mesa_lite.wrap(
         torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from conftest import (
     HFStyleRMSNorm,
     assert_equal,
+    count_calls,
     interpreter_runs_loops,
     saved_activation_bytes,
     sqnr_db,
@@ -279,18 +280,6 @@ def test_gated_mlp_block(bias, act, autocast):
     assert kept <= rows * (32 + 2 * 88) * 1.1 + rows * 4, kept
 
 
-def _counting(monkeypatch, module, name):
-    """Counts the calls of ``module.name`` (patched for the test)."""
-    calls, real = [], getattr(module, name)
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(module, name, counted)
-    return calls
-
-
 @pytest.mark.parametrize("autocast", AUTOCAST, ids=str)
 @pytest.mark.parametrize("act", ["silu", "gelu_new"])
 def test_gated_product_backward_in_one_pass(act, autocast, monkeypatch):
@@ -306,7 +295,7 @@ def test_gated_product_backward_in_one_pass(act, autocast, monkeypatch):
                                                        else _gelu_new))  # fmt: skip
     wrapped = mesa_lite.wrap(copy.deepcopy(plain))
     x, dtype = torch.randn(3, 20, 32) * 2, AUTOCAST[autocast]
-    calls = _counting(monkeypatch, quant, "gated_backward")
+    calls = count_calls(monkeypatch, quant, "gated_backward")
     _, fused = _grads(wrapped, x, dtype)
     assert len(calls) == 1, "the one-pass backward ran"
     with monkeypatch.context() as m:
@@ -324,7 +313,7 @@ def test_gated_product_backward_in_one_pass(act, autocast, monkeypatch):
         return  # CPU tensors run no compiled kernel: the next test runs it on the GPU
     if not interpreter_runs_loops():
         pytest.skip("Triton's interpreter here cannot run the kernel's loop (Triton 3.6)")
-    kernel = _counting(monkeypatch, gated, "_GATED_BACKWARD")
+    kernel = count_calls(monkeypatch, gated, "_GATED_BACKWARD")
     monkeypatch.setattr(gated, "use_triton_for", lambda t: True)
     _, k = _grads(wrapped, x, dtype)
     assert len(kernel) == 1, "the kernel ran"
@@ -358,7 +347,7 @@ def test_gated_mlp_backward_in_one_pass_on_cuda(autocast, monkeypatch):
         y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(y))
         return {"input": xx.grad, **{n: p.grad for n, p in model.named_parameters()}}
 
-    kernel = _counting(monkeypatch, gated, "_GATED_BACKWARD")
+    kernel = count_calls(monkeypatch, gated, "_GATED_BACKWARD")
     fused = grads(wrapped)
     assert len(kernel) == 1, "the kernel ran"
     with monkeypatch.context() as m:
@@ -400,7 +389,7 @@ def test_gated_product_alone_backward_in_one_pass(dtype, monkeypatch, triton_dev
     ref = grads(False)
     if triton_device.type == "cpu" and not interpreter_runs_loops():
         pytest.skip("Triton's interpreter here cannot run the kernel's loop (Triton 3.6)")
-    kernel = _counting(monkeypatch, gated, "_GATED_BACKWARD")
+    kernel = count_calls(monkeypatch, gated, "_GATED_BACKWARD")
     k = grads(True)
     assert len(kernel) == 1, "the kernel ran"
     g, u = g0.clone().requires_grad_(), u0.clone().requires_grad_()

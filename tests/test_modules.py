@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from conftest import assert_equal, saved_activation_bytes, sqnr_db
+from conftest import assert_equal, count_calls, saved_activation_bytes, sqnr_db
 
 import mesa_lite
 from mesa_lite import Config, QuantSpec
@@ -203,14 +203,7 @@ def test_softmax_backward_in_one_pass(dtype, dim, monkeypatch, triton_device):
     s0 = (torch.randn(2, 3, 20, 50, generator=gen) * 3).to(dtype=dtype, device=triton_device)
     grad = torch.randn(2, 3, 20, 50, generator=gen).to(dtype=dtype, device=triton_device)
     spec = QuantSpec()
-    calls = []
-    real = sb.softmax_backward
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(sb, "softmax_backward", counted)
+    calls = count_calls(monkeypatch, sb, "softmax_backward")
 
     def run(kernel: bool, one_pass: bool = True):
         with monkeypatch.context() as m:
