@@ -39,6 +39,7 @@ from .common import (
 torch = lazy_import("torch")
 gq = lazy_import("mesa_lite.kernels.group_quant")
 gated = lazy_import("mesa_lite.kernels.gated")
+softmax_bw = lazy_import("mesa_lite.kernels.softmax_backward")
 
 WIDTHS = {"deit_tiny": 192, "deit_small": 384, "deit_base": 768}
 
@@ -47,8 +48,9 @@ def _ms(fn) -> float:
     return cuda_median_ms(fn, reps=30, warmup=3)
 
 
-def _cases(rows: int, width: int, g: int) -> list[tuple[str, int, object, object]]:
-    """(kernel, bytes moved, kernel call, the torch op it accompanies or None)."""
+def _cases(rows: int, width: int, g: int) -> list[tuple[str, int, object, object, int]]:
+    """(kernel, bytes moved, kernel call, the torch op it accompanies or None, elements of
+    its largest fp16 tensor)."""
     f16 = torch.float16
     x = torch.randn(rows, width, device="cuda", dtype=f16)
     h = torch.randn(rows, 4 * width, device="cuda", dtype=f16)
@@ -60,7 +62,11 @@ def _cases(rows: int, width: int, g: int) -> list[tuple[str, int, object, object
     n, m = x.numel(), h.numel()
     scale_x, scale_h = sx.numel() * 4, sh.numel() * 4
     stats = 2 * rows * 4
-    return [
+    # attention probabilities: rows / 197 images x width / 64 heads x 197 x 197
+    att = torch.randn(rows // 197, width // 64, 197, 197, device="cuda", dtype=f16).softmax(-1)
+    ca, sa = gq.quantize(att, g, signed=False)
+    a, scale_a = att.numel(), sa.numel() * 4
+    cases = [
         ("quantize", 2 * n + n + scale_x, lambda: gq.quantize(x, g), None),
         (
             "quantize (4C)",
@@ -111,6 +117,21 @@ def _cases(rows: int, width: int, g: int) -> list[tuple[str, int, object, object
             lambda: _gated_op_by_op(ch, sh, h, g),
         ),
     ]
+    out = [(*c, m if "4C" in c[0] else n) for c in cases]
+    out.append(
+        (
+            # softmax's backward (attention probabilities, unsigned codes): one pass against
+            # a dequantize and PyTorch's backward
+            "softmax backward from codes (attention)",
+            a + scale_a + 2 * a + 2 * a,
+            lambda: softmax_bw.softmax_backward(ca, sa, att, g, f16),
+            lambda: torch._softmax_backward_data(
+                att, gq.dequantize(ca, sa, g, f16, signed=False).view(att.shape), -1, f16
+            ),
+            a,
+        )
+    )
+    return out
 
 
 def _gated_op_by_op(codes, scales, dp, g):
@@ -126,8 +147,8 @@ def _gated_op_by_op(codes, scales, dp, g):
 
 def _measure(model: str, width: int, batch: int, g: int) -> list[dict]:
     rows = []
-    for name, nbytes, fn, op in _cases(batch * 197, width, g):
-        biggest = 2 * batch * 197 * width * (4 if "4C" in name else 1)
+    for name, nbytes, fn, op, elements in _cases(batch * 197, width, g):
+        biggest = 2 * elements
         src = torch.empty(biggest // 2, device="cuda", dtype=torch.float16)
         copy_ms = _ms(lambda src=src: src.clone())
         ms = _ms(fn)
