@@ -236,11 +236,29 @@ if HAS_TRITON:
         return tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
 
     @triton.jit
-    def _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM: tl.constexpr):
-        """fp32 values of a tile; with NORM the normalized ``(x - mean[row]) * rstd[row]``."""
+    def row_col(base, c, row_len, span):
+        """Row and column, in rows of ``row_len`` elements, of the elements at
+        ``base[:, None] + c[None, :]`` (``base``: int64 per tile row; ``c``: int32 columns below
+        ``span``). One int64 division per tile row; per element a compare where ``span`` is
+        at most ``row_len`` (an element is then in base's row or the next), else an int32
+        division: a 64-bit division per element held these kernels to a third of the copy
+        bandwidth."""
+        r0 = base // row_len
+        w = (base - r0 * row_len).to(tl.int32)[:, None] + c[None, :]
+        if span <= row_len:
+            dr = (w >= row_len).to(tl.int32)
+        else:
+            dr = w // row_len
+        return r0[:, None] + dr, w - dr * row_len
+
+    @triton.jit
+    def _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, base, c, group_size, row_len,
+                NORM: tl.constexpr):  # fmt: skip
+        """fp32 values of a tile (``offs``: ``base[:, None] + c[None, :]``, groups of
+        ``group_size``); with NORM the normalized ``(x - mean[row]) * rstd[row]``."""
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if NORM:
-            r = offs // row_len
+            r, _ = row_col(base, c, row_len, group_size)
             m = tl.load(mean_ptr + r, mask=mask, other=0.0).to(tl.float32)
             s = tl.load(rstd_ptr + r, mask=mask, other=0.0).to(tl.float32)
             x = tl.where(mask, (x - m) * s, 0.0)
@@ -269,7 +287,8 @@ if HAS_TRITON:
             c = start + cols
             offs = base[:, None] + c[None, :]
             mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
-            x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
+            x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, base, c, group_size, row_len,
+                        NORM)  # fmt: skip
             amax_bits = tl.maximum(amax_bits, _absmax_bits(x))
         return _scale_of(amax_bits, QMAX)
 
@@ -370,7 +389,8 @@ if HAS_TRITON:
         c = b * PER_BYTE + j
         offs = base[:, None] + c[None, :]
         mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
-        return offs, mask, _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
+        x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, base, c, group_size, row_len, NORM)
+        return offs, mask, x
 
     @triton.jit
     def _lane_code(x, offs, mask, finite, pre, inv, seed, QMIN: tl.constexpr,
@@ -457,7 +477,8 @@ if HAS_TRITON:
             cols = tl.arange(0, BLOCK)
             offs = base[:, None] + cols[None, :]
             mask = row_ok[:, None] & (cols[None, :] < group_size) & (offs < n)
-            x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
+            x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, base, cols, group_size,
+                        row_len, NORM)  # fmt: skip
             scale = _scale_of(_absmax_bits(x), QMAX)
             tl.store(scales_ptr + rows, scale, mask=row_ok)
             finite, pre, inv = _inverse(scale)
@@ -477,7 +498,8 @@ if HAS_TRITON:
                 c = start + cols
                 offs = base[:, None] + c[None, :]
                 mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
-                x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, row_len, NORM)
+                x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, base, c, group_size,
+                            row_len, NORM)  # fmt: skip
                 q = _codes(x, finite, pre, inv, offs, seed, QMIN, QMAX, STOCHASTIC, POSITIVE, RN)
                 _store_codes(codes_ptr, q, offs, mask, base, row_ok, start, group_size, n,
                              QMIN, BITS, PER_BYTE, ROWS, BLOCK)  # fmt: skip
@@ -523,13 +545,14 @@ if HAS_TRITON:
         return q * s
 
     @triton.jit
-    def _epilogue(v, offs, mask, p1_ptr, p2_ptr, row_len, EPI: tl.constexpr,
-                  HAS_P1: tl.constexpr, HAS_P2: tl.constexpr, MID: tl.constexpr,
-                  RN: tl.constexpr):  # fmt: skip
+    def _epilogue(v, offs, mask, base, c, group_size, p1_ptr, p2_ptr, row_len,
+                  EPI: tl.constexpr, HAS_P1: tl.constexpr, HAS_P2: tl.constexpr,
+                  MID: tl.constexpr, RN: tl.constexpr):  # fmt: skip
         """The dequantize kernel's elementwise step on the fp32 products ``v`` of a tile of
-        element offsets (``dequantize``'s ``epilogue``; EPI 0: ``v`` itself)."""
+        element offsets ``base[:, None] + c[None, :]`` (``dequantize``'s ``epilogue``; EPI 0:
+        ``v`` itself)."""
         if EPI == 1:  # v * weight[col] + bias[col], each rounded (two fp32 ops, as torch)
-            col = offs % row_len
+            _, col = row_col(base, c, row_len, group_size)
             if HAS_P1:
                 w = tl.load(p1_ptr + col, mask=mask, other=0.0).to(tl.float32)
                 v = mul_rn(v, w) if RN else v * w
@@ -537,7 +560,7 @@ if HAS_TRITON:
                 b = tl.load(p2_ptr + col, mask=mask, other=0.0).to(tl.float32)
                 v = add_rn(v, b) if RN else v + b
         elif EPI == 2:  # v / rstd[row] + mean[row]; the mean where rstd is 0
-            r = offs // row_len
+            r, _ = row_col(base, c, row_len, group_size)
             m = tl.load(p1_ptr + r, mask=mask, other=0.0).to(tl.float32)
             rs = tl.load(p2_ptr + r, mask=mask, other=1.0).to(tl.float32)
             v = tl.where(rs == 0.0, m, tl.math.div_rn(v, rs) + m)
@@ -597,8 +620,9 @@ if HAS_TRITON:
                     offs = base[:, None] + c[None, :]
                     mask = row_ok[:, None] & (c[None, :] < group_size) & (offs < n)
                     q = ((byte >> (j * BITS)) & ((1 << BITS) - 1)) + QMIN
-                    v = _epilogue(q.to(tl.float32) * s, offs, mask, p1_ptr, p2_ptr, row_len,
-                                  EPI, HAS_P1, HAS_P2, MID, RN)  # fmt: skip
+                    v = _epilogue(q.to(tl.float32) * s, offs, mask, base, c, group_size,
+                                  p1_ptr, p2_ptr, row_len, EPI, HAS_P1, HAS_P2, MID,
+                                  RN)  # fmt: skip
                     store_as(out_ptr, offs, v, mask, OUT_BF16)
         else:
             cols = tl.arange(0, BLOCK)
@@ -614,8 +638,8 @@ if HAS_TRITON:
                     byte = tl.load(codes_ptr + at, mask=bmask, other=0).to(tl.int32)
                     q = _unpack(byte, ROWS, BLOCK, BITS, PER_BYTE) + QMIN
                     v = q.to(tl.float32) * s
-                v = _epilogue(v, offs, mask, p1_ptr, p2_ptr, row_len, EPI, HAS_P1, HAS_P2,
-                              MID, RN)  # fmt: skip
+                v = _epilogue(v, offs, mask, base, c, group_size, p1_ptr, p2_ptr, row_len,
+                              EPI, HAS_P1, HAS_P2, MID, RN)  # fmt: skip
                 store_as(out_ptr, offs, v, mask, OUT_BF16)
 
 

@@ -39,7 +39,7 @@ if HAS_TRITON:
         out_ptr,  # the input's gradient (int16 bits for bf16)
         n_rows,
         row_len,
-        group_size,
+        GROUP: tl.constexpr,  # elements a scale (a constant: the division below is a shift)
         QMIN: tl.constexpr,
         BITS: tl.constexpr,
         PER_BYTE: tl.constexpr,
@@ -51,8 +51,9 @@ if HAS_TRITON:
         cols = tl.arange(0, BLOCK)
         offs = rows.to(tl.int64)[:, None] * row_len + cols[None, :]
         mask = (rows < n_rows)[:, None] & (cols < row_len)[None, :]
-        # a row may span groups: each element's scale (neighbours share it, so loads coalesce)
-        s = tl.load(scales_ptr + offs // group_size, mask=mask, other=0.0)
+        # a row may span groups: each element's scale (neighbours share it, so loads coalesce);
+        # a division by a runtime group size, 64-bit per element, cost more than the rest
+        s = tl.load(scales_ptr + offs // GROUP, mask=mask, other=0.0)
         y = round_to(dequantize_tile(codes_ptr, offs, mask, s, QMIN, BITS, PER_BYTE), MID)
         g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         dot = tl.sum(g * y, axis=1)

@@ -96,9 +96,8 @@ for bits, dt, row_len in [(8, "*fp16", 197), (4, "*bf16", 1024), (2, "*fp32", sb
     rows, block = sb._launch_shape(row_len)
     compile_(sb._softmax_backward_kernel,
              {"codes_ptr": "*u8", "scales_ptr": "*fp32", "grad_ptr": dt,
-              "out_ptr": "*i16" if dt == "*bf16" else dt, "n_rows": "i32", "row_len": "i32",
-              "group_size": "i32"},
-             {"QMIN": 0, "BITS": bits, "PER_BYTE": gq.per_byte(bits),
+              "out_ptr": "*i16" if dt == "*bf16" else dt, "n_rows": "i32", "row_len": "i32"},
+             {"GROUP": 128, "QMIN": 0, "BITS": bits, "PER_BYTE": gq.per_byte(bits),
               "MID": {"*fp32": 0, "*fp16": 1, "*bf16": 2}[dt], "ROWS": rows, "BLOCK": block},
              4 if block <= 2048 else 8)
     print("compiled softmax backward", bits, row_len)
@@ -142,9 +141,9 @@ gated_bw = ({"g_codes_ptr": "*i8", "g_scales_ptr": "*fp32", "u_codes_ptr": "*i8"
             {"n_groups": 1, "QMIN": -127, "BITS": 8, "PER_BYTE": 1, "ACT": 0, "MID": 2,
              "WRITE_PROD": True, "ROWS": 32, "BLOCK": 128}, "OOOOOOOOii")
 softmax_bw = ({"codes_ptr": "*u8", "scales_ptr": "*fp32", "grad_ptr": "*fp16",
-               "out_ptr": "*fp16", "n_rows": "i32", "row_len": "i32", "group_size": "i32"},
-              {"QMIN": 0, "BITS": 8, "PER_BYTE": 1, "MID": 1, "ROWS": 16, "BLOCK": 256},
-              "OOOOiii")
+               "out_ptr": "*fp16", "n_rows": "i32", "row_len": "i32"},
+              {"GROUP": 128, "QMIN": 0, "BITS": 8, "PER_BYTE": 1, "MID": 1, "ROWS": 16,
+               "BLOCK": 256}, "OOOOii")
 from mesa_lite.kernels import gated, softmax_backward as sb
 for fn, (sig, cx, expected) in ((gq._quantize_kernel, quantize),
                                 (gq._dequantize_kernel, dequantize),
