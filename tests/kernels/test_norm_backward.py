@@ -239,8 +239,11 @@ def test_modules_match_the_unfused_path_and_torch(name, autocast, fused, on):
     for a, b, c in zip(want, unfused, got, strict=True):
         assert c.dtype == a.dtype and c.shape == a.shape
         assert sqnr_db(a, c) >= 30.0, sqnr_db(a, c)
-        # the same codes: only the reductions' order and x's rebuild differ from unfused
-        assert sqnr_db(b, c) >= 60.0, sqnr_db(b, c)
+        # the same codes: only the reductions' order and x's rebuild differ from unfused, by
+        # an ulp where they differ (a bf16 ulp is 2**-8 relative: 48 dB were every element
+        # off by one; the H100 gave 56.4 dB for the bf16 LayerNorm's input gradient)
+        floor = 60.0 if c.dtype == torch.float32 else 45.0
+        assert sqnr_db(b, c) >= floor, sqnr_db(b, c)
 
 
 def test_frozen_weight_and_input_without_grad(fused, on):
