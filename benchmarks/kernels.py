@@ -233,8 +233,8 @@ def run(argv=None) -> list[dict]:
         f"{env['device']}, torch {env['torch']}, triton {env['triton']}, {env['date']}; "
         f"fp16, batch {args.batch_size} x 197 tokens, groups of {args.group_size}. "
         f"torch op: the op the kernel accompanies (LayerNorm forward/backward, GELU "
-        f"forward/backward), for scale; for the gated product's backward, the op-by-op form "
-        f"it replaces.\n\nHost us per call: {host}\n\n"
+        f"forward/backward), for scale; for the gated product's and softmax's backwards, the "
+        f"op-by-op form each replaces.\n\nHost us per call: {host}\n\n"
     )
     tail = f"\nHost profile of 500 quantize calls:\n\n```\n{profile.strip()}\n```\n"
     Outputs(args.out, "kernels").write_report(rows, head + markdown_table(rows, cols) + "\n" + tail)
