@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from mesa_lite.config import QuantSpec
+from mesa_lite.kernels import batch_norm_backward as _batch_norm_backward
 from mesa_lite.kernels import gated, group_quant
 from mesa_lite.kernels import softmax_backward as _softmax_backward
 from mesa_lite.kernels.launch import HAS_TRITON, use_triton
@@ -303,6 +304,17 @@ def softmax_backward(p: Packed, grad: torch.Tensor, dim: int) -> torch.Tensor | 
     return _softmax_backward.softmax_backward(
         p.codes, p.scales, grad, p.spec.group_size, p.dtype, p.spec.bits, p.signed
     )
+
+
+def batch_norm_backward(p: Packed, grad: torch.Tensor, invstd, weight, need_input: bool):
+    """BatchNorm's gradients from ``p``, the codes of its normalized input in row-major order
+    (N, C, ...), in two passes (``kernels/batch_norm_backward.py``; its reference off CUDA):
+    ``(the input's gradient or None, (2, C) fp32 sums: the bias's and the weight's
+    gradients)``."""
+    return _batch_norm_backward.batch_norm_backward(
+        p.codes, p.scales, grad, invstd, weight, p.spec.group_size, p.spec.bits, p.signed,
+        need_input,
+    )  # fmt: skip
 
 
 def unnormalize(p: Packed, mean: torch.Tensor, rstd: torch.Tensor, dtype: torch.dtype):

@@ -1,7 +1,7 @@
 """BatchNorm (``mesa_lite.BatchNorm1d/2d/3d``, the opt-in kind ``"batchnorm"``): in training
 mode the output, running statistics and ``num_batches_tracked`` are torch's bit for bit, the
 gradients too with ``debug_exact``; compressed, the normalized input kept as int8 gives the
-bias gradient exactly and the others within the int8 floor."""
+bias gradient to fp32 rounding and the others within the int8 floor."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from conftest import (
     assert_compiles_like_eager,
     assert_equal,
+    count_calls,
+    interpreter_runs_loops,
     kept_by_both,
     saved_activation_bytes,
     sqnr_db,
@@ -92,9 +94,62 @@ def test_compressed_output_and_statistics_exact_gradients_within_the_floor(name,
     for (n, a), b in zip(wrapped.named_buffers(), plain.buffers(), strict=True):
         assert_equal(a, b, n)
     assert sqnr_db(gx_p, gx_w) >= 30, sqnr_db(gx_p, gx_w)
-    if gp:  # affine: weight within the floor, bias exact (it does not read the input)
+    if gp:  # affine: weight within the floor; bias to fp32 rounding (it does not read the
+        # input, but the backward kernel's pass sums it, in another order than torch)
         assert sqnr_db(gp[0], gw[0]) >= 30, sqnr_db(gp[0], gw[0])
-        assert_equal(gw[1], gp[1], "bias grad")
+        assert sqnr_db(gp[1], gw[1]) >= 100, sqnr_db(gp[1], gw[1])
+
+
+@pytest.mark.parametrize("low", [False, True], ids=["fp32", "half-input"])
+@pytest.mark.parametrize("name", ["1d-seq", "2d", "2d-no-affine", "3d", "2d-channels-last"])
+def test_backward_from_the_codes_in_two_passes(name, low, monkeypatch, triton_device):
+    """Issue 51: a contiguous input's gradients come from x_hat's codes in two kernel passes
+    (``kernels/batch_norm_backward.py``, forced here in the interpreter off CUDA), never
+    rebuilding the input: within rounding of the path that rebuilds it and runs torch's
+    backward, and within the int8 floor of torch's own. A channels-last input takes that
+    other path. ``half-input``: a bf16 (CPU) or fp16 (CUDA) input with fp32 parameters, as a
+    convolution's output under autocast reaches its BatchNorm."""
+    from mesa_lite.kernels import batch_norm_backward as bb
+
+    from mesa_lite.ops import batch_norm as bn_op
+
+    if triton_device.type == "cpu" and not interpreter_runs_loops():
+        pytest.skip("the kernels loop over a row: Triton's interpreter before 3.8 cannot")
+    dtype = torch.float32
+    if low:
+        dtype = torch.float16 if triton_device.type == "cuda" else torch.bfloat16
+    calls = count_calls(monkeypatch, bb, "batch_norm_backward")
+    plain, wrapped = _pair(name, CNN)
+    plain, wrapped = plain.to(triton_device), wrapped.to(triton_device)
+
+    def step(model):
+        factory, shape, channels_last = CASES[name]
+        g = torch.Generator().manual_seed(1)
+        x = (torch.randn(shape, generator=g) * 3 + 1).to(triton_device, dtype)
+        if channels_last:
+            x = x.to(memory_format=torch.channels_last)
+        x.requires_grad_(True)
+        out = model(x * 1.0)
+        w = torch.linspace(-1, 2, out.numel(), device=triton_device).view(out.shape)
+        (out * w.to(out.dtype)).float().sum().backward()
+        grads = [x.grad, *[p.grad for p in model.parameters()]]
+        for p in model.parameters():
+            p.grad = None
+        return grads
+
+    monkeypatch.setattr(bb, "use_triton_for", lambda t: True)
+    fused = step(wrapped)
+    assert len(calls) == (0 if CASES[name][2] else 1)
+    monkeypatch.setattr(bn_op, "FUSED_BACKWARD", False)
+    rebuilt = step(wrapped)
+    want = step(plain)
+    for a, b, c in zip(want, rebuilt, fused, strict=True):
+        assert c.dtype == a.dtype and c.shape == a.shape and c.stride() == a.stride()
+        floor = 30 if c.dtype == torch.float32 else 25  # the int8 floor; a half input's own
+        assert sqnr_db(a, c) >= floor, sqnr_db(a, c)
+        # the same codes: x_hat read from them, against the input rebuilt in its dtype
+        # (137-149 dB in fp32 here, 58-64 dB with a bf16 input: the rebuilt input's rounding)
+        assert sqnr_db(b, c) >= (100 if dtype == torch.float32 else 45), sqnr_db(b, c)
 
 
 def test_keeps_the_normalized_input_as_int8():

@@ -2,11 +2,16 @@
 (plus the per-channel mean and invstd it computed) instead of its input.
 
 Forward is torch's own ``_batch_norm_impl_index`` (what ``F.batch_norm`` runs: the same output
-and the same in-place update of the running statistics); backward rebuilds the input from the
-codes, ``x_hat / invstd + mean``, and calls ``_batch_norm_impl_index_backward`` as torch's own
-backward does (its cuDNN, MIOpen or native form, with the saved statistics and reserve), so
-with ``debug_exact`` the gradients are torch's bit for bit. Under torch.compile the native pair
-(``native_batch_norm`` and its backward) is traced instead.
+and the same in-place update of the running statistics). Backward, for a contiguous input with
+spatial dimensions (the codes are then rows of the spatial size), computes the gradients from
+the codes of ``x_hat`` in two passes that never write the input out
+(``kernels/batch_norm_backward.py``: the per-channel sums, then the input's gradient, with
+torch's formula); otherwise (a channels-last or (N, C) input, ``FUSED_BACKWARD`` off, or under
+torch.compile, which traces the native pair ``native_batch_norm`` and its backward instead) it
+rebuilds the input from the codes, ``x_hat / invstd + mean``, and calls
+``_batch_norm_impl_index_backward`` as torch's own backward does (its cuDNN, MIOpen or native
+form, with the saved statistics and reserve). With ``debug_exact`` the input itself is kept and
+torch's backward runs: the gradients are torch's bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ from mesa_lite.ops.common import (
     recast,
     register_probe,
 )
+
+# backward from x_hat's codes in two passes (kernels/batch_norm_backward.py) where the codes are
+# rows of a contiguous input; False: the input rebuilt and torch's backward (debugging, A/B)
+FUSED_BACKWARD = True
 
 register_probe(
     "batch_norm", 1, lambda a: F.batch_norm(a, a.new_zeros(1).float(), a.new_ones(1).float())
@@ -84,11 +93,13 @@ class BatchNormFn(torch.autograd.Function):
             )  # fmt: skip
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         px = None
+        ctx.rows = False  # x_hat's codes in row-major order, rows of the spatial size
         if need_x or need_w:
             if spec.exact or not quant.compressible(x):  # debug_exact, fp64: x itself
                 px = quant.quantize(x, spec)
             else:
                 px = _keep_normalized(x, mean, invstd, spec)
+                ctx.rows = x.is_contiguous() and x.numel() > x.shape[0] * x.shape[1]
         quant.save(ctx, px, weight, running_mean, running_var, mean, invstd, reserve)
         ctx.cfg, ctx.impl = cfg, impl
         ctx.x_meta = (x.shape, x.stride(), x.dtype)
@@ -102,6 +113,15 @@ class BatchNormFn(torch.autograd.Function):
         momentum, eps, dtype = ctx.cfg
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         x_shape, x_stride, x_dtype = ctx.x_meta
+        fused = FUSED_BACKWARD and ctx.rows and grad.dtype == x_dtype
+        if fused and not torch.compiler.is_compiling():
+            # from x_hat's codes, never rebuilding the input (kernels/batch_norm_backward.py)
+            w = None if weight is None else recast(weight, dtype)
+            gx, sums = quant.batch_norm_backward(px, grad, invstd, w, need_x)
+            w_dtype, b_dtype = ctx.param_dtypes
+            gw = sums[1].to(w_dtype) if need_w and weight is not None else None
+            gb = sums[0].to(b_dtype) if need_b and b_dtype is not None else None
+            return gx, gw, gb, None, None, None, None
         if px is not None:
             x = _rebuild_input(px, mean, invstd, x_dtype, x_shape)
             if x.stride() != x_stride:

@@ -101,6 +101,26 @@ for bits, dt, row_len in [(8, "*fp16", 197), (4, "*bf16", 1024), (2, "*fp32", sb
               "MID": {"*fp32": 0, "*fp16": 1, "*bf16": 2}[dt], "ROWS": rows, "BLOCK": block},
              4 if block <= 2048 else 8)
     print("compiled softmax backward", bits, row_len)
+
+# BatchNorm's backward: both passes, ResNet-50's first rows (112 x 112) into fp16 at 8 bits,
+# 7 x 7 rows into bf16 at 4 bits with no weight, and 2-bit fp32 rows of 3 (a group of 100)
+from mesa_lite.kernels import batch_norm_backward as bb
+for bits, dt, s, group, weight in [(8, "*fp16", 12544, 128, True), (4, "*bf16", 49, 128, False),
+                                   (2, "*fp32", 3, 100, True)]:
+    rows, block = bb._launch_shape(s)
+    consts = {"GROUP": group, "QMIN": gq.qrange(True, bits)[0], "BITS": bits,
+              "PER_BYTE": gq.per_byte(bits), "ROWS": rows, "BLOCK": block}
+    codes = "*i8" if bits == 8 else "*u8"
+    compile_(bb._bn_sums_kernel,
+             {"codes_ptr": codes, "scales_ptr": "*fp32", "grad_ptr": dt, "part_ptr": "*fp32",
+              "n_rows": "i32", "S": "i32"}, consts, 4)
+    compile_(bb._bn_input_grad_kernel,
+             {"codes_ptr": codes, "scales_ptr": "*fp32", "grad_ptr": dt, "sums_ptr": "*fp32",
+              "weight_ptr": "*fp32", "invstd_ptr": "*fp32",
+              "out_ptr": "*i16" if dt == "*bf16" else dt, "n_rows": "i32", "S": "i32",
+              "C": "i32", "m": "i32"},
+             {**consts, "HAS_WEIGHT": weight, "OUT_BF16": dt == "*bf16"}, 4)
+    print("compiled batch_norm backward", bits, s)
 """
 
 
@@ -110,7 +130,7 @@ def test_kernels_compile_for_sm90():
         [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 18, res.stdout
+    assert res.stdout.count("compiled") == 21, res.stdout
 
 
 _ABI_SCRIPT = r"""
@@ -144,11 +164,20 @@ softmax_bw = ({"codes_ptr": "*u8", "scales_ptr": "*fp32", "grad_ptr": "*fp16",
                "out_ptr": "*fp16", "n_rows": "i32", "row_len": "i32"},
               {"GROUP": 128, "QMIN": 0, "BITS": 8, "PER_BYTE": 1, "MID": 1, "ROWS": 16,
                "BLOCK": 256}, "OOOOii")
-from mesa_lite.kernels import gated, softmax_backward as sb
+# BatchNorm's backward: both passes
+bn = {"codes_ptr": "*i8", "scales_ptr": "*fp32", "grad_ptr": "*fp16"}
+bn_cx = {"GROUP": 128, "QMIN": -127, "BITS": 8, "PER_BYTE": 1, "ROWS": 2, "BLOCK": 2048}
+bn_sums = ({**bn, "part_ptr": "*fp32", "n_rows": "i32", "S": "i32"}, bn_cx, "OOOOii")
+bn_dx = ({**bn, "sums_ptr": "*fp32", "weight_ptr": "*fp32", "invstd_ptr": "*fp32",
+          "out_ptr": "*fp16", "n_rows": "i32", "S": "i32", "C": "i32", "m": "i32"},
+         {**bn_cx, "HAS_WEIGHT": True, "OUT_BF16": False}, "OOOOOOOiiii")
+from mesa_lite.kernels import batch_norm_backward as bb, gated, softmax_backward as sb
 for fn, (sig, cx, expected) in ((gq._quantize_kernel, quantize),
                                 (gq._dequantize_kernel, dequantize),
                                 (gated._gated_backward_kernel, gated_bw),
-                                (sb._softmax_backward_kernel, softmax_bw)):
+                                (sb._softmax_backward_kernel, softmax_bw),
+                                (bb._bn_sums_kernel, bn_sums),
+                                (bb._bn_input_grad_kernel, bn_dx)):
     k = triton.compile(ASTSource(fn=fn, signature={**sig, **dict.fromkeys(cx, "constexpr")},
                                  constexprs=cx), target=GPUTarget("cuda", 90, 32))
     entry = launch.static_entry(k, len(fn.arg_names), tuple(range(expected.count("O"))))
@@ -171,4 +200,4 @@ def test_static_launch_types_match_the_kernels_parameters():
         [sys.executable, "-c", _ABI_SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("abi") == 4, res.stdout
+    assert res.stdout.count("abi") == 6, res.stdout
