@@ -40,6 +40,7 @@ torch = lazy_import("torch")
 gq = lazy_import("mesa_lite.kernels.group_quant")
 gated = lazy_import("mesa_lite.kernels.gated")
 softmax_bw = lazy_import("mesa_lite.kernels.softmax_backward")
+bn_bw = lazy_import("mesa_lite.kernels.batch_norm_backward")
 
 WIDTHS = {"deit_tiny": 192, "deit_small": 384, "deit_base": 768}
 
@@ -131,7 +132,37 @@ def _cases(rows: int, width: int, g: int) -> list[tuple[str, int, object, object
             a,
         )
     )
+    out.append(_batch_norm_case(rows // 197, g))
     return out
+
+
+def _batch_norm_case(batch: int, g: int) -> tuple:
+    """BatchNorm's backward from x_hat's codes (a ResNet-50 stage-1 input, batch x 64 x 56 x
+    56, whatever the model's width) against the op-by-op form: the input rebuilt by the
+    unnormalize dequantize, then torch's backward (native, as under torch.compile)."""
+    f16 = torch.float16
+    x = torch.randn(batch, 64, 56, 56, device="cuda", dtype=f16)
+    dy = torch.randn_like(x)
+    w = torch.rand(64, device="cuda") + 0.5
+    _, mean, invstd = torch.native_batch_norm(x, w, None, None, None, True, 0.1, 1e-5)
+    stats = (mean.repeat(batch), invstd.repeat(batch))
+    codes, scales = gq.quantize(x, g, normalize=stats)
+    e = x.numel()
+
+    def op_by_op():
+        xr = gq.dequantize(codes, scales, g, f16, epilogue=("unnormalize", *stats)).view(x.shape)
+        return torch.ops.aten.native_batch_norm_backward(
+            dy, xr, w, None, None, mean, invstd, True, 1e-5, [True, True, True]
+        )
+
+    return (
+        "BatchNorm backward from codes (64 x 56 x 56)",
+        # codes and the gradient read twice, the input's gradient written
+        2 * (e + scales.numel() * 4 + 2 * e) + 2 * e,
+        lambda: bn_bw.batch_norm_backward(codes, scales, dy, invstd, w, g),
+        op_by_op,
+        e,
+    )
 
 
 def _gated_op_by_op(codes, scales, dp, g):
