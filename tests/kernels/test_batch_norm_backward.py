@@ -28,7 +28,7 @@ def _inputs(shape, dtype, bits, group_size, device, seed=0, affine=True):
     x, mean, invstd, g = (t.to(device) for t in (x, mean, invstd, g))
     w = None if w is None else w.to(device)
     rows = (mean.repeat(n), invstd.repeat(n))
-    codes, scales = gq.quantize(x, group_size, use_triton=True, bits=bits, normalize=rows)
+    codes, scales = gq.quantize(x, group_size, bits=bits, normalize=rows)  # kernel on CUDA
     return x, mean, invstd, w, g, codes, scales
 
 
@@ -51,10 +51,18 @@ def test_batch_norm_backward_matches_reference(dtype, bits, group_size, shape, t
     gf = cpu[2].float().view(shape[0], shape[1], -1)
     mags = torch.stack([gf.abs().sum((0, 2)), (gf * xh.view_as(gf)).abs().sum((0, 2))])
     assert ((sums.cpu() - rsums).abs() <= 16 * ULP[torch.float32] * mags + 1e-30).all()
-    # the input's gradient: the output's rounding, plus the sums' difference carried through
-    tol = 8 * ULP[dtype]
-    torch.testing.assert_close(dx.cpu().float(), rdx.float(), rtol=tol,
-                               atol=tol * rdx.abs().max().item())  # fmt: skip
+    # the input's gradient: the output's rounding, plus the sums' difference carried through;
+    # against the size of its terms, not of the result: with few elements a channel (N x 1 x
+    # 1) they cancel to near zero, and the GPU's fused multiply-adds round that cancellation
+    # otherwise than the reference. Terms: (|g| + sum|g| / M + |x_hat| * sum|g x_hat| / M)
+    # times the channel's weight * invstd (the sums' error is relative to sums of magnitudes)
+    scale = cpu[3].float() * (1 if cpu[4] is None else cpu[4].float().abs())
+    m = gf.shape[0] * gf.shape[2]
+    mag_g, mag_gx = (mags / m).view(2, 1, -1, 1)
+    terms = (gf.abs() + mag_g + xh.view_as(gf).abs() * mag_gx) * scale.view(1, -1, 1)
+    tol = max(8 * ULP[dtype], 16 * ULP[torch.float32])
+    err = (dx.cpu().float() - rdx.float()).view_as(gf).abs()
+    assert (err <= tol * terms + 1e-30).all(), (err - tol * terms).max()
 
 
 @pytest.mark.parametrize("affine", [True, False])
