@@ -138,21 +138,25 @@ def _cases(rows: int, width: int, g: int) -> list[tuple[str, int, object, object
 
 def _batch_norm_case(batch: int, g: int) -> tuple:
     """BatchNorm's backward from x_hat's codes (a ResNet-50 stage-1 input, batch x 64 x 56 x
-    56, whatever the model's width) against the op-by-op form: the input rebuilt by the
-    unnormalize dequantize, then torch's backward (native, as under torch.compile)."""
+    56, whatever the model's width) against the op-by-op form eager mode ran before: the
+    input rebuilt by the unnormalize dequantize, then torch's own backward as F.batch_norm's
+    autograd calls it (``_batch_norm_impl_index_backward``: cuDNN where it takes the input)."""
     f16 = torch.float16
     x = torch.randn(batch, 64, 56, 56, device="cuda", dtype=f16)
     dy = torch.randn_like(x)
-    w = torch.rand(64, device="cuda") + 0.5
-    _, mean, invstd = torch.native_batch_norm(x, w, None, None, None, True, 0.1, 1e-5)
+    w, b = torch.rand(64, device="cuda") + 0.5, torch.zeros(64, device="cuda")
+    rm, rv = torch.zeros(64, device="cuda"), torch.ones(64, device="cuda")
+    _, mean, invstd, reserve, impl = torch.ops.aten._batch_norm_impl_index(
+        x, w, b, rm, rv, True, 0.1, 1e-5, torch.backends.cudnn.enabled
+    )
     stats = (mean.repeat(batch), invstd.repeat(batch))
     codes, scales = gq.quantize(x, g, normalize=stats)
     e = x.numel()
 
     def op_by_op():
         xr = gq.dequantize(codes, scales, g, f16, epilogue=("unnormalize", *stats)).view(x.shape)
-        return torch.ops.aten.native_batch_norm_backward(
-            dy, xr, w, None, None, mean, invstd, True, 1e-5, [True, True, True]
+        return torch.ops.aten._batch_norm_impl_index_backward(
+            impl, xr, dy, w, rm, rv, mean, invstd, True, 1e-5, [True, True, True], reserve
         )
 
     return (
