@@ -25,7 +25,7 @@ if HAS_TRITON:
 
 __all__ = ["pack_bits", "pack_bits_ref", "unpack_bits", "dropout_backward",
            "dropout_backward_ref", "pack_positive", "pack_positive_ref", "relu_backward",
-           "relu_backward_ref"]  # fmt: skip
+           "relu_backward_ref", "relu_backward_codes", "relu_backward_codes_ref"]  # fmt: skip
 
 _BLOCK = 1024  # bytes per program (8192 elements)
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
@@ -76,6 +76,58 @@ def pack_positive_ref(x: torch.Tensor) -> torch.Tensor:
 def relu_backward_ref(grad: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """PyTorch reference of :func:`relu_backward`."""
     return torch.where(unpack_bits(packed, grad.shape), grad, 0)
+
+
+def _nonzero(codes: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Where the unsigned 8- or 4-bit ``codes`` (``group_quant``'s order: element ``2i`` in the
+    low nibble of byte ``i`` at 4 bits) are not 0: ``n`` bools, flat."""
+    if bits == 8:
+        return codes.reshape(-1) != 0
+    low, high = codes & 0xF, codes >> 4
+    return torch.stack((low, high), 1).view(-1)[:n] != 0
+
+
+def relu_backward_codes_ref(grad: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """PyTorch reference of :func:`relu_backward_codes`."""
+    return torch.where(_nonzero(codes, bits, grad.numel()).view(grad.shape), grad, 0)
+
+
+def relu_backward_codes(
+    grad: torch.Tensor, codes: torch.Tensor, bits: int, use_triton: bool | None = None
+) -> torch.Tensor:
+    """``torch.where(codes != 0, grad, 0)`` for a ReLU whose output is kept as unsigned 8- or
+    4-bit codes with code 0 exactly where the output is not positive
+    (``group_quant.quantize(positive=True)``): ReLU's backward from its consumer's codes in one
+    pass, the codes read in registers (no bool tensor in between). Elements are selected as
+    raw bits, exact for every dtype; the result is contiguous, in ``grad``'s logical order,
+    which must be the codes' order."""
+    if bits not in (8, 4):
+        raise ValueError(f"relu_backward_codes: bits must be 8 or 4, got {bits}")
+    n = grad.numel()
+    need = n if bits == 8 else (n + 1) // 2
+    if codes.dtype != torch.uint8 or codes.numel() != need:
+        raise ValueError(f"relu_backward_codes: {n} elements at {bits} bits need {need} uint8 "
+                         f"code bytes, got {codes.numel()} of {codes.dtype}")  # fmt: skip
+    if use_triton is None:
+        use_triton = use_triton_for(grad)
+    if not use_triton or not grad.is_floating_point():
+        return relu_backward_codes_ref(grad, codes, bits).contiguous()
+    return _select(_RELU_BACKWARD_CODES, grad, codes.contiguous(), 4 * _BLOCK, bits)
+
+
+def _select(launcher, grad: torch.Tensor, mask_src: torch.Tensor, block: int, *tail):
+    """A selecting kernel's result (``launcher``: ``grad`` where its mask, read from
+    ``mask_src``, is set, else 0; ``block`` elements a program, ``tail`` its constexprs before
+    ``block``), contiguous; ``grad`` and the result passed as raw bits."""
+    if not grad.is_contiguous():
+        grad = grad.contiguous()
+    n = grad.numel()
+    out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+    if n:
+        as_bits = _BITS_OF[grad.element_size()]
+        launcher(((n + block - 1) // block,), grad.view(as_bits), mask_src, out.view(as_bits), n,
+                 *tail, block)  # fmt: skip
+    return out
 
 
 def _check_packed(packed: torch.Tensor, n: int, where: str) -> None:
@@ -166,17 +218,7 @@ def relu_backward(
         use_triton = use_triton_for(grad)
     if not use_triton or not grad.is_floating_point():
         return relu_backward_ref(grad, packed).contiguous()
-    if not grad.is_contiguous():
-        grad = grad.contiguous()
-    n = grad.numel()
-    out = torch.empty_like(grad, memory_format=torch.contiguous_format)
-    if n:
-        as_bits = _BITS_OF[grad.element_size()]
-        _RELU_BACKWARD(
-            ((n + 8 * _BLOCK - 1) // (8 * _BLOCK),),
-            grad.view(as_bits), packed, out.view(as_bits), n, 8 * _BLOCK,
-        )  # fmt: skip
-    return out
+    return _select(_RELU_BACKWARD, grad, packed, 8 * _BLOCK)
 
 
 if HAS_TRITON:
@@ -222,7 +264,21 @@ if HAS_TRITON:
         m = ((byte >> (offs % 8).to(tl.int32)) & 1).to(tl.float32)
         store_as(out_ptr, offs, g * m * scale, inside, OUT_BF16)
 
+    @triton.jit
+    def _relu_backward_codes_kernel(grad_ptr, codes_ptr, out_ptr, n, BITS: tl.constexpr,
+                                    BLOCK: tl.constexpr):  # fmt: skip
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < n
+        g = tl.load(grad_ptr + offs, mask=inside, other=0)
+        if BITS == 8:
+            c = tl.load(codes_ptr + offs, mask=inside, other=0).to(tl.int32)
+        else:  # element 2i in the low nibble of byte i
+            byte = tl.load(codes_ptr + offs // 2, mask=inside, other=0).to(tl.int32)
+            c = (byte >> ((offs % 2) * 4).to(tl.int32)) & 0xF
+        tl.store(out_ptr + offs, tl.where(c != 0, g, tl.zeros_like(g)), mask=inside)
+
     _PACK = Launcher(_pack_kernel)
+    _RELU_BACKWARD_CODES = Launcher(_relu_backward_codes_kernel)
     _PACK_POSITIVE = Launcher(_pack_positive_kernel)
     _RELU_BACKWARD = Launcher(_relu_backward_kernel)
     _DROPOUT_BACKWARD = Launcher(_dropout_backward_kernel)

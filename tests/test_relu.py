@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from conftest import (
     assert_compiles_like_eager,
     assert_equal,
+    count_calls,
     kept_by_both,
     saved_activation_bytes,
     sqnr_db,
@@ -146,6 +147,36 @@ def test_relu_feeding_a_conv_keeps_the_conv_s_codes_only(inplace, layout, bits):
     plain(x).square().sum().backward()
     for (name, p), q in zip(plain.named_parameters(), wrapped.parameters(), strict=True):
         assert sqnr_db(p.grad, q.grad) >= SHARE_FLOOR[bits], (name, sqnr_db(p.grad, q.grad))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_shared_relu_backward_reads_the_codes_in_one_pass(layout, bits, monkeypatch):
+    """Issue 51: a sharing ReLU's backward is one kernel over the consumer's codes
+    (``kernels.bits.relu_backward_codes``, forced here in the interpreter): the input gradient
+    is torch's condition on the upstream gradient bit for bit, in either layout."""
+    from mesa_lite.kernels import bits as kbits
+
+    torch.manual_seed(0)
+    wrapped = mesa_lite.wrap(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
+                                           nn.Conv2d(16, 8, 3, padding=1)),
+                             dataclasses.replace(CNN, bits=bits))  # fmt: skip
+    x = torch.randn(2, 8, 16, 16)
+    if layout == "channels_last":
+        wrapped = wrapped.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
+    wrapped(x).sum().backward()  # the first step: the offer is claimed
+    wrapped.zero_grad()
+    calls = count_calls(monkeypatch, kbits, "_RELU_BACKWARD_CODES")  # the kernel launched
+    monkeypatch.setattr(kbits, "use_triton_for", lambda t: True)
+    seen = {}
+    wrapped[0].register_forward_hook(lambda m, a, o: seen.update(pre=o.detach()))
+    wrapped[1].register_full_backward_hook(lambda m, gi, go: seen.update(gin=gi[0], gout=go[0]))
+    wrapped(x).square().sum().backward()
+    assert wrapped[1]._mesa_relu_state == "share" and len(calls) == 1
+    pre = seen["pre"]
+    assert_equal(seen["gin"], torch.where(pre > 0, seen["gout"], 0))
+    assert seen["gin"].stride() == seen["gout"].stride()
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -48,6 +48,8 @@ from mesa_lite.kernels.bits import (
     pack_positive,
     pack_positive_ref,
     relu_backward,
+    relu_backward_codes,
+    relu_backward_codes_ref,
     unpack_bits,
 )
 from mesa_lite.ops.common import (
@@ -83,14 +85,6 @@ def _bits(x: torch.Tensor, op: tuple) -> torch.Tensor:
     if op[0] == "hardsigmoid":
         return torch.ops.aten.hardsigmoid_backward(ones, x).ne_(0).bool()
     return x > 0
-
-
-def _nonzero_codes(p: quant.Packed) -> torch.Tensor:
-    """Where the (unsigned, 8- or 4-bit) codes of ``p`` are not 0, flat."""
-    if p.spec.bits == 8:
-        return p.codes != 0
-    low, high = p.codes & 0xF, p.codes >> 4  # element 2i in the low nibble of byte i
-    return torch.stack((low, high), 1).view(-1)[: quant._prod(p.shape)] != 0
 
 
 class ReLUFn(torch.autograd.Function):
@@ -148,7 +142,11 @@ class ReLUFn(torch.autograd.Function):
         g = grad if perm is None else grad.permute(perm)
         if ctx.shared:  # the condition from the codes: code > 0 exactly where out > 0 (or NaN)
             (p,) = quant.load(ctx)
-            out = torch.where(_nonzero_codes(p).view(ctx.shape), g, 0)
+            if not torch.compiler.is_compiling() and g.is_contiguous():
+                # one pass over the codes, the result in the gradient's layout
+                out = relu_backward_codes(g, p.codes, p.spec.bits)
+            else:
+                out = relu_backward_codes_ref(g, p.codes, p.spec.bits)
             return (out if perm is None else out.permute(inverse_perm(perm))), None, None, None
         (packed,) = ctx.saved_tensors
         selects = op[0] in ("relu", "hardtanh")

@@ -97,3 +97,38 @@ def test_relu_bits_layouts_and_checks(triton_device):
     with pytest.raises(ValueError, match="2 packed uint8 bytes"):
         bits.relu_backward(torch.randn(9, device=triton_device),
                            torch.zeros(3, dtype=torch.uint8, device=triton_device))  # fmt: skip
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("nbits", [8, 4])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_relu_backward_from_codes_matches_threshold_backward(dtype, nbits, n, triton_device):
+    """ReLU's backward from its consumer's unsigned codes (code 0 exactly where the output is
+    not positive, ``quantize(positive=True)``): one pass, bit for bit as ATen's
+    threshold_backward on the output, NaN and infinite gradients included."""
+    from mesa_lite.kernels import group_quant as gq
+
+    g = torch.Generator().manual_seed(n)
+    out = torch.relu(torch.randn(n, generator=g)).to(dtype)
+    special = torch.tensor([float("nan"), -0.0, 1e-30, 0.0, 3.0])[: min(n, 5)]
+    out[: special.numel()] = special.to(dtype)
+    grad = (torch.randn(n, generator=g) * 3).to(dtype)
+    grad[-min(n, 2) :] = torch.tensor([float("nan"), -float("inf")][: min(n, 2)]).to(dtype)
+    codes, _ = gq.quantize(out.to(triton_device), 32, signed=False, bits=nbits, positive=True)
+    got = bits.relu_backward_codes(grad.to(triton_device), codes, nbits, use_triton=True)
+    ref = torch.ops.aten.threshold_backward(grad, out, 0)
+    assert got.dtype == dtype and got.is_contiguous() and got.shape == grad.shape
+    assert_equal(got.cpu(), ref, "grad")
+    assert_equal(bits.relu_backward_codes_ref(grad, codes.cpu(), nbits), ref, "reference")
+
+
+def test_relu_backward_from_codes_checks(triton_device):
+    grad = torch.randn(2, 5, device=triton_device).t()  # read in logical order
+    codes = torch.tensor([0, 3, 1, 0, 9, 0, 0, 2, 1, 1], dtype=torch.uint8, device=triton_device)
+    got = bits.relu_backward_codes(grad, codes, 8, use_triton=True)
+    assert_equal(got, torch.where(codes.view(5, 2) != 0, grad, 0).contiguous(), "transposed")
+    assert bits.relu_backward_codes(grad[:0], codes[:0], 8, use_triton=True).numel() == 0
+    with pytest.raises(ValueError, match="10 elements at 4 bits need 5 uint8 code bytes"):
+        bits.relu_backward_codes(grad, codes, 4)
+    with pytest.raises(ValueError, match="bits must be 8 or 4"):
+        bits.relu_backward_codes(grad, codes, 2)

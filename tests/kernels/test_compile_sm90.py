@@ -121,6 +121,14 @@ for bits, dt, s, group, weight in [(8, "*fp16", 12544, 128, True), (4, "*bf16", 
               "C": "i32", "m": "i32"},
              {**consts, "HAS_WEIGHT": weight, "OUT_BF16": dt == "*bf16"}, 4)
     print("compiled batch_norm backward", bits, s)
+
+# ReLU's backward from its consumer's 8- and 4-bit codes (an fp16 gradient as raw int16 bits)
+from mesa_lite.kernels import bits as kbits
+for bits in (8, 4):
+    compile_(kbits._relu_backward_codes_kernel,
+             {"grad_ptr": "*i16", "codes_ptr": "*u8", "out_ptr": "*i16", "n": "i32"},
+             {"BITS": bits, "BLOCK": 4 * kbits._BLOCK}, 4)
+    print("compiled relu backward from codes", bits)
 """
 
 
@@ -130,7 +138,7 @@ def test_kernels_compile_for_sm90():
         [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 21, res.stdout
+    assert res.stdout.count("compiled") == 23, res.stdout
 
 
 _ABI_SCRIPT = r"""
