@@ -44,7 +44,15 @@ from mesa_lite.ops.attention import (
     sdpa_run,
     split_qkv,
 )
-from mesa_lite.ops.common import autocast_cast, first_order_only, fresh, keep, recast, weight_cast
+from mesa_lite.ops.common import (
+    autocast_cast,
+    first_order_only,
+    fresh,
+    keep,
+    kept_cast,
+    recast,
+    weight_cast,
+)
 from mesa_lite.ops.dropout import dropout_backward, dropout_forward
 from mesa_lite.ops.gelu import gelu_input_grad
 from mesa_lite.ops.layer_norm import keep_normalized, layer_norm_backward
@@ -73,10 +81,11 @@ def _layer_norm(x, weight, bias, norm_cfg):
     return out, xc, mean, rstd
 
 
-def _norm_linear_grads(ctx, grad, w, b_dtype, p_ln, mean, rstd, ln_w, ln_b):
+def _norm_linear_grads(ctx, grad, w, b_dtype, p_ln, mean, rstd, ln_w, ln_b, w_cast=None):
     """The gradients of a half's head, LayerNorm -> Linear, from the gradient of the Linear's
     output: ``(x, LayerNorm weight, bias, Linear weight, bias)``, each cast back to the dtype
-    before autocast's casts (None where not needed). Inputs 0-4 of the Function are these."""
+    before autocast's casts (None where not needed). Inputs 0-4 of the Function are these.
+    ``w_cast``: the Linear weight's forward cast, where kept (``kept_cast``)."""
     norm_cfg, dtype = ctx.cfg[0], ctx.cfg[1]
     shape, eps, ln_dtype = norm_cfg
     wc, bc = recast(ln_w, ln_dtype), recast(ln_b, ln_dtype)
@@ -88,7 +97,15 @@ def _norm_linear_grads(ctx, grad, w, b_dtype, p_ln, mean, rstd, ln_w, ln_b):
         return quant.dequantize(p, grad.dtype)
 
     g_h, g_w, g_b = linear_backward(
-        grad, rebuild_h, w, dtype, ctx.hc_col_major, (need_ln, n[3], n[4]), w.dtype, b_dtype
+        grad,
+        rebuild_h,
+        w,
+        dtype,
+        ctx.hc_col_major,
+        (need_ln, n[3], n[4]),
+        w.dtype,
+        b_dtype,
+        w_cast,
     )
     if not need_ln:
         return None, None, None, g_w, g_b
@@ -130,17 +147,22 @@ class NormAttentionFn(torch.autograd.Function):
         norm_cfg, dtype, heads, head_dim, is_causal, spec = cfg
         h, xc, mean, rstd = _layer_norm(x, ln_w, ln_b, norm_cfg)
         hc = autocast_cast(h, dtype)
-        qkv = F.linear(hc, weight_cast(qkv_w, dtype), autocast_cast(qkv_b, dtype))
+        qkv_wc = weight_cast(qkv_w, dtype)
+        qkv = F.linear(hc, qkv_wc, autocast_cast(qkv_b, dtype))
         B, N, _ = qkv.shape
         q, k, v = split_qkv(qkv, heads)
         backend = _sdpa_choice(q, k, v, is_causal)
         out, lse, extra, ctx.max_qk = sdpa_run(q, k, v, backend, 0.0, is_causal, None)
         o = out.transpose(1, 2).reshape(B, N, heads * head_dim)
-        y = F.linear(o, weight_cast(proj_w, dtype), autocast_cast(proj_b, dtype))
+        proj_wc = weight_cast(proj_w, dtype)
+        y = F.linear(o, proj_wc, autocast_cast(proj_b, dtype))
 
         n = ctx.needs_input_grad
         need_ln = n[0] or n[1] or n[2]
         need_qkv = need_ln or n[3] or n[4]  # the gradient of the qkv output
+        # the weights' casts where kept, for the products that read them (input gradients)
+        casts = (kept_cast(qkv_w, qkv_wc, spec) if need_ln else None,
+                 kept_cast(proj_w, proj_wc, spec) if need_qkv else None)  # fmt: skip
         p_ln, mean, rstd = _keep_norm(xc, mean, rstd, spec, n[0] or n[1] or n[3])
         ctx.x_meta = (x.shape, x.dtype, xc.dtype)
         kept, ctx.qkv_layout = keep_qkv(q, k, v, spec, (qkv, heads)) if need_qkv else ([], None)
@@ -150,7 +172,8 @@ class NormAttentionFn(torch.autograd.Function):
         if not need_qkv:
             lse, extra = None, ()
         ctx.n_qkv = len(kept)
-        quant.save(ctx, p_ln, mean, rstd, ln_w, ln_b, qkv_w, proj_w, po, lse, *kept, *extra)
+        quant.save(ctx, p_ln, mean, rstd, ln_w, ln_b, qkv_w, proj_w, *casts, po, lse, *kept,
+                   *extra)  # fmt: skip
         ctx.cfg = cfg
         ctx.sdpa = (backend, 0.0, is_causal, None)
         ctx.h_dtype, ctx.hc_col_major = h.dtype, _folded_col_major(hc)
@@ -161,7 +184,9 @@ class NormAttentionFn(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
-        p_ln, mean, rstd, ln_w, ln_b, qkv_w, proj_w, po, lse, *rest = quant.load(ctx)
+        p_ln, mean, rstd, ln_w, ln_b, qkv_w, proj_w, qkv_wc, proj_wc, po, lse, *rest = quant.load(
+            ctx
+        )
         kept, extra = rest[: ctx.n_qkv], rest[ctx.n_qkv :]
         dtype = ctx.cfg[1]
         n = ctx.needs_input_grad
@@ -179,7 +204,7 @@ class NormAttentionFn(torch.autograd.Function):
 
         g_o, g_pw, g_pb = linear_backward(
             grad, rebuild_o, proj_w, dtype, o_col_major, (need_qkv, n[5], n[6]),
-            proj_w.dtype, proj_b_dtype,
+            proj_w.dtype, proj_b_dtype, proj_wc,
         )  # fmt: skip
         gx = g_lw = g_lb = g_qw = g_qb = None
         if need_qkv:
@@ -189,7 +214,7 @@ class NormAttentionFn(torch.autograd.Function):
                                        (True, True, True))  # fmt: skip
             g_qkv = torch.stack([gq, gk, gv]).permute(1, 3, 0, 2, 4).reshape(B, N, 3 * H * D)
             gx, g_lw, g_lb, g_qw, g_qb = _norm_linear_grads(
-                ctx, g_qkv, qkv_w, qkv_b_dtype, p_ln, mean, rstd, ln_w, ln_b
+                ctx, g_qkv, qkv_w, qkv_b_dtype, p_ln, mean, rstd, ln_w, ln_b, qkv_wc
             )
         return gx, g_lw, g_lb, g_qw, g_qb, g_pw, g_pb, None
 
@@ -209,11 +234,12 @@ class NormMlpFn(torch.autograd.Function):
         norm_cfg, dtype, gelu_dtype, approximate, spec = cfg
         h, xc, mean, rstd = _layer_norm(x, ln_w, ln_b, norm_cfg)
         hc = autocast_cast(h, dtype)
-        a = F.linear(hc, weight_cast(w1, dtype), autocast_cast(b1, dtype))
+        w1c, w2c = weight_cast(w1, dtype), weight_cast(w2, dtype)
+        a = F.linear(hc, w1c, autocast_cast(b1, dtype))
         ac = autocast_cast(a, gelu_dtype)
         g = F.gelu(ac, approximate=approximate)
         gc = autocast_cast(g, dtype)
-        y = F.linear(gc, weight_cast(w2, dtype), autocast_cast(b2, dtype))
+        y = F.linear(gc, w2c, autocast_cast(b2, dtype))
 
         n = ctx.needs_input_grad
         need_a = n[0] or n[1] or n[2] or n[3] or n[4]  # the gradient of fc1's output
@@ -221,7 +247,9 @@ class NormMlpFn(torch.autograd.Function):
         ctx.x_meta = (x.shape, x.dtype, xc.dtype)
         # GELU's input, kept once: GELU's backward and fc2's input (its GELU) rebuild from it
         p_a = quant.quantize(ac, spec) if need_a or n[5] else None
-        quant.save(ctx, p_ln, mean, rstd, ln_w, ln_b, w1, w2, p_a)
+        casts = (kept_cast(w1, w1c, spec) if n[0] or n[1] or n[2] else None,
+                 kept_cast(w2, w2c, spec) if need_a else None)  # fmt: skip
+        quant.save(ctx, p_ln, mean, rstd, ln_w, ln_b, w1, w2, p_a, *casts)
         ctx.cfg = cfg
         ctx.h_dtype, ctx.hc_col_major = h.dtype, _folded_col_major(hc)
         ctx.a_dtypes = (a.dtype, ac.dtype, g.dtype, gc.dtype)
@@ -232,7 +260,7 @@ class NormMlpFn(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
-        p_ln, mean, rstd, ln_w, ln_b, w1, w2, p_a = quant.load(ctx)
+        p_ln, mean, rstd, ln_w, ln_b, w1, w2, p_a, w1c, w2c = quant.load(ctx)
         _, dtype, _, approximate, _ = ctx.cfg
         n = ctx.needs_input_grad
         need_ln = n[0] or n[1] or n[2]
@@ -245,13 +273,13 @@ class NormMlpFn(torch.autograd.Function):
 
         g_gc, g_w2, g_b2 = linear_backward(
             grad, rebuild_gc, w2, dtype, ctx.gc_col_major, (need_a, n[5], n[6]),
-            w2.dtype, b2_dtype,
+            w2.dtype, b2_dtype, w2c,
         )  # fmt: skip
         gx = g_lw = g_lb = g_w1 = g_b1 = None
         if need_a:
             g_a = gelu_input_grad(p_a, g_gc.to(g_dtype), approximate, ac_dtype).to(a_dtype)
             gx, g_lw, g_lb, g_w1, g_b1 = _norm_linear_grads(
-                ctx, g_a, w1, b1_dtype, p_ln, mean, rstd, ln_w, ln_b
+                ctx, g_a, w1, b1_dtype, p_ln, mean, rstd, ln_w, ln_b, w1c
             )
         return gx, g_lw, g_lb, g_w1, g_b1, g_w2, g_b2, None
 
@@ -275,19 +303,23 @@ class GatedMlpFn(torch.autograd.Function):
         dtype, fn, _, spec = cfg
         state = autocast_state(x.device)
         xc = autocast_cast(x, dtype)
-        g = F.linear(xc, weight_cast(gw, dtype), autocast_cast(gb, dtype))
+        gwc, uwc, dwc = (weight_cast(w, dtype) for w in (gw, uw, dw))
+        g = F.linear(xc, gwc, autocast_cast(gb, dtype))
         a = fn(g)
-        u = F.linear(xc, weight_cast(uw, dtype), autocast_cast(ub, dtype))
+        u = F.linear(xc, uwc, autocast_cast(ub, dtype))
         prod = a * u
         prodc = autocast_cast(prod, dtype)
-        y = F.linear(prodc, weight_cast(dw, dtype), autocast_cast(db, dtype))
+        y = F.linear(prodc, dwc, autocast_cast(db, dtype))
 
         n = ctx.needs_input_grad
         need_gu = any(n[:7])
         px = keep(xc, spec, share_key=x) if n[1] or n[3] else None
         pg = quant.quantize(g, spec) if need_gu else None
         pu = quant.quantize(u, spec) if need_gu else None
-        quant.save(ctx, px, pg, pu, gw, uw, dw)
+        casts = (kept_cast(gw, gwc, spec) if n[0] else None,
+                 kept_cast(uw, uwc, spec) if n[0] else None,
+                 kept_cast(dw, dwc, spec) if need_gu else None)  # fmt: skip
+        quant.save(ctx, px, pg, pu, gw, uw, dw, *casts)
         ctx.cfg, ctx.state = cfg, state
         ctx.dtypes = (x.dtype, xc.dtype, g.dtype, a.dtype, u.dtype, prod.dtype, prodc.dtype)
         ctx.bias_dtypes = (_dtypes(gb), _dtypes(ub), _dtypes(db))
@@ -297,7 +329,7 @@ class GatedMlpFn(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
-        px, pg, pu, gw, uw, dw = quant.load(ctx)
+        px, pg, pu, gw, uw, dw, gwc, uwc, dwc = quant.load(ctx)
         dtype, fn, grad_fn, _ = ctx.cfg
         x_dtype, xc_dtype, g_dtype, a_dtype, u_dtype, prod_dtype, prodc_dtype = ctx.dtypes
         gb_dtype, ub_dtype, db_dtype = ctx.bias_dtypes
@@ -310,7 +342,7 @@ class GatedMlpFn(torch.autograd.Function):
             # product's gradient
             col = ctx.col_major[1]
             g_prodc = linear_backward(grad, None, dw, dtype, col, (True, False, False),
-                                      dw.dtype, db_dtype)[0].to(prod_dtype)  # fmt: skip
+                                      dw.dtype, db_dtype, dwc)[0].to(prod_dtype)  # fmt: skip
             prodc, g_g, g_u = quant.gated_backward(pg, pu, g_prodc, act, n[5], in_place=True)
             del g_prodc
             # (prodc bound as a default, not a closure cell: Dynamo, which traces this
@@ -328,7 +360,7 @@ class GatedMlpFn(torch.autograd.Function):
 
             g_prodc, g_dw, g_db = linear_backward(
                 grad, rebuild_prodc, dw, dtype, ctx.col_major[1], (need_gu, n[5], n[6]),
-                dw.dtype, db_dtype,
+                dw.dtype, db_dtype, dwc,
             )  # fmt: skip
             if need_gu:
                 g_g, g_u = _product_grads(g_prodc.to(prod_dtype), g, a, u, fn, grad_fn, ctx.state)
@@ -343,10 +375,10 @@ class GatedMlpFn(torch.autograd.Function):
 
             col = ctx.col_major[0]
             g_xg, g_gw, g_gb = linear_backward(
-                g_g, rebuild_x, gw, dtype, col, (n[0], n[1], n[2]), gw.dtype, gb_dtype
+                g_g, rebuild_x, gw, dtype, col, (n[0], n[1], n[2]), gw.dtype, gb_dtype, gwc
             )
             g_xu, g_uw, g_ub = linear_backward(
-                g_u, rebuild_x, uw, dtype, col, (n[0], n[3], n[4]), uw.dtype, ub_dtype
+                g_u, rebuild_x, uw, dtype, col, (n[0], n[3], n[4]), uw.dtype, ub_dtype, uwc
             )
             if n[0]:
                 gx = g_xg.to(x_dtype) + g_xu.to(x_dtype)
@@ -416,21 +448,28 @@ class GatedProductFn(torch.autograd.Function):
 
 def _project(kind: str, x, w, b, dtype):
     """A projection's forward: ``"linear"`` (``F.linear``, weight (out, in)) or ``"addmm"``
-    (Hugging Face's ``Conv1D``, weight (in, out)), with autocast's casts to ``dtype``."""
+    (Hugging Face's ``Conv1D``, weight (in, out)), with autocast's casts to ``dtype``:
+    ``(output, the weight's cast)``."""
     if kind == "addmm":
-        return addmm_forward(x, w, b, dtype)
-    return F.linear(x, weight_cast(w, dtype), autocast_cast(b, dtype))
+        wc = autocast_cast(w, dtype)
+        return addmm_forward(x, wc, b, dtype), wc
+    wc = weight_cast(w, dtype)
+    return F.linear(x, wc, autocast_cast(b, dtype)), wc
 
 
 def _project_col_major(kind: str, x, w) -> tuple:
     return addmm_col_major(x, w) if kind == "addmm" else (_folded_col_major(x),)
 
 
-def _project_grads(kind: str, grad, rebuild_x, w, dtype, col_major: tuple, needs, b_dtype):
-    """``_project``'s gradients (input, weight, bias) with the op's own backward formulas."""
+def _project_grads(kind: str, grad, rebuild_x, w, dtype, col_major: tuple, needs, b_dtype,
+                   w_cast=None):  # fmt: skip
+    """``_project``'s gradients (input, weight, bias) with the op's own backward formulas
+    (``w_cast``: the weight's forward cast, where kept)."""
     if kind == "addmm":
-        return addmm_backward(grad, rebuild_x, w, dtype, *col_major, needs, w.dtype, b_dtype)
-    return linear_backward(grad, rebuild_x, w, dtype, col_major[0], needs, w.dtype, b_dtype)
+        return addmm_backward(grad, rebuild_x, w, dtype, *col_major, needs, w.dtype, b_dtype,
+                              w_cast)  # fmt: skip
+    return linear_backward(grad, rebuild_x, w, dtype, col_major[0], needs, w.dtype, b_dtype,
+                           w_cast)  # fmt: skip
 
 
 class MlpFn(torch.autograd.Function):
@@ -454,10 +493,10 @@ class MlpFn(torch.autograd.Function):
         (k1, k2), (d1, d2), fn, grad_fn, p, spec = cfg
         state = autocast_state(x.device)
         xc = autocast_cast(x, d1)
-        a = _project(k1, xc, w1, b1, d1)
+        a, w1c = _project(k1, xc, w1, b1, d1)
         h = fn(a)
         hc = autocast_cast(h, d2)
-        y = _project(k2, hc, w2, b2, d2)
+        y, w2c = _project(k2, hc, w2, b2, d2)
         packed, ctx.drop = None, None
         if p > 0:
             y, packed, ctx.drop = dropout_forward(y, p)
@@ -466,7 +505,9 @@ class MlpFn(torch.autograd.Function):
         need_a = n[0] or n[1] or n[2]  # the gradient of the activation's input
         px = keep(xc, spec, share_key=x) if n[1] else None
         pa = quant.quantize(a, spec) if need_a or n[3] else None
-        quant.save(ctx, px, pa, w1, w2, packed)
+        casts = (kept_cast(w1, w1c, spec) if n[0] else None,
+                 kept_cast(w2, w2c, spec) if need_a else None)  # fmt: skip
+        quant.save(ctx, px, pa, w1, w2, packed, *casts)
         ctx.cfg, ctx.state = cfg, state
         ctx.dtypes = (x.dtype, xc.dtype, a.dtype, h.dtype, hc.dtype)
         ctx.bias_dtypes = (_dtypes(b1), _dtypes(b2))
@@ -476,7 +517,7 @@ class MlpFn(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
-        px, pa, w1, w2, packed = quant.load(ctx)
+        px, pa, w1, w2, packed, w1c, w2c = quant.load(ctx)
         (k1, k2), (d1, d2), fn, grad_fn, _, _ = ctx.cfg
         x_dtype, xc_dtype, a_dtype, h_dtype, hc_dtype = ctx.dtypes
         b1_dtype, b2_dtype = ctx.bias_dtypes
@@ -496,7 +537,7 @@ class MlpFn(torch.autograd.Function):
             return quant.dequantize(pa.derived(step, h_dtype), hc_dtype)
 
         g_hc, g_w2, g_b2 = _project_grads(
-            k2, grad, rebuild_hc, w2, d2, ctx.col_major[1], (need_a, n[3], n[4]), b2_dtype
+            k2, grad, rebuild_hc, w2, d2, ctx.col_major[1], (need_a, n[3], n[4]), b2_dtype, w2c
         )
         gx = g_w1 = g_b1 = None
         if need_a:
@@ -510,7 +551,7 @@ class MlpFn(torch.autograd.Function):
                 g_a = activation_grad(fn, grad_fn, ctx.state, a, g_h)
             g_xc, g_w1, g_b1 = _project_grads(
                 k1, g_a.to(a_dtype), lambda: quant.dequantize(px, xc_dtype), w1, d1,
-                ctx.col_major[0], (n[0], n[1], n[2]), b1_dtype,
+                ctx.col_major[0], (n[0], n[1], n[2]), b1_dtype, w1c,
             )  # fmt: skip
             gx = None if g_xc is None else g_xc.to(x_dtype)
         return gx, g_w1, g_b1, g_w2, g_b2, None

@@ -108,14 +108,26 @@ def weight_cast(w: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return out
 
 
-def recast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
-    """``autocast_cast`` of a parameter again in backward (the forward's cast is not kept).
+def kept_cast(weight: torch.Tensor, w_cast: torch.Tensor, spec) -> torch.Tensor | None:
+    """What a Function saves of ``w_cast``, the forward's autocast copy of ``weight``: the copy
+    where ``spec.keep_weight_casts`` asks for it (eager mode; a copy, not the weight itself),
+    else None (backward casts ``weight`` again: ``recast``)."""
+    if not spec.keep_weight_casts or w_cast is weight or torch.compiler.is_compiling():
+        return None
+    return w_cast
+
+
+def recast(t: torch.Tensor | None, dtype: torch.dtype | None, kept=None) -> torch.Tensor | None:
+    """``autocast_cast`` of a parameter again in backward, or ``kept``, the forward's copy,
+    where the Function kept it (``kept_cast``).
 
     Under torch.compile the cast goes through an unsqueeze/squeeze pair: the compiler merges
     identical ops of forward and backward (CSE on the joint graph), and a backward cast merged
     with the forward's makes the partitioner keep that low-precision copy of every weight from
     forward to backward (it will not recompute a tensor a matmul reads in backward), where the
     parameter itself is free to keep. GPT-2 small kept 235 MiB of weight copies that way."""
+    if kept is not None:
+        return kept
     if t is not None and dtype is not None and torch.compiler.is_compiling():
         return autocast_cast(t.unsqueeze(0), dtype).squeeze(0)
     return autocast_cast(t, dtype)

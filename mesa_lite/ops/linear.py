@@ -15,6 +15,7 @@ from mesa_lite.ops.common import (
     first_order_only,
     fresh,
     keep,
+    kept_cast,
     plain_under_functorch,
     recast,
     register_probe,
@@ -48,10 +49,12 @@ class LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, dtype: torch.dtype | None, spec: QuantSpec, shares=(None,)):
-        out = F.linear(x, weight_cast(weight, dtype), autocast_cast(bias, dtype))
+        wc = weight_cast(weight, dtype)
+        out = F.linear(x, wc, autocast_cast(bias, dtype))
         need_x, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[0]
         px = keep(x, spec, share_key=shares[0]) if need_x else None
-        quant.save(ctx, px, weight if need_w else None)
+        kept = kept_cast(weight, wc, spec) if need_w else None
+        quant.save(ctx, px, weight if need_w else None, kept)
         ctx.dtype = dtype
         ctx.x_dtype = x.dtype
         ctx.w_dtype = weight.dtype
@@ -62,11 +65,11 @@ class LinearFn(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
-        px, weight = quant.load(ctx)
+        px, weight, kept = quant.load(ctx)
         needs = ctx.needs_input_grad[:3]
         grads = linear_backward(
             grad, lambda: quant.dequantize(px, ctx.x_dtype), weight, ctx.dtype,
-            ctx.x_col_major, needs, ctx.w_dtype, ctx.b_dtype,
+            ctx.x_col_major, needs, ctx.w_dtype, ctx.b_dtype, kept,
         )  # fmt: skip
         return *grads, None, None, None
 
@@ -76,7 +79,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def linear_backward(grad, rebuild_x, weight, dtype, x_col_major: bool, needs, w_dtype, b_dtype):
+def linear_backward(grad, rebuild_x, weight, dtype, x_col_major: bool, needs, w_dtype, b_dtype,
+                    w_cast=None):  # fmt: skip
     """``F.linear``'s gradients (input, weight, bias; None where ``needs`` is False), as
     torch's own backward computes them.
 
@@ -88,6 +92,7 @@ def linear_backward(grad, rebuild_x, weight, dtype, x_col_major: bool, needs, w_
         needs: needs-grad flags of input, weight and bias.
         w_dtype, b_dtype: the dtypes of weight and bias before any cast (``b_dtype`` None:
             no bias), which their gradients take.
+        w_cast: the forward's cast of the weight, where kept (``kept_cast``; None: cast again).
     """
     g2 = grad.reshape(-1, grad.shape[-1])
     grad_x = grad_w = grad_b = None
@@ -96,7 +101,7 @@ def linear_backward(grad, rebuild_x, weight, dtype, x_col_major: bool, needs, w_
     if needs[1]:
         grad_w = cast(g2.t() @ _rows(rebuild_x()), w_dtype)
     if needs[0]:
-        w = recast(weight, dtype)
+        w = recast(weight, dtype, w_cast)
         # as torch's mm backward: a column-major input gets its gradient computed transposed
         gx = (w.t() @ g2.t()).t() if x_col_major else g2 @ w
         grad_x = gx.reshape(*grad.shape[:-1], w.shape[1])
@@ -131,7 +136,7 @@ def addmm_col_major(x: torch.Tensor, weight: torch.Tensor) -> tuple[bool, bool]:
 
 
 def addmm_backward(grad, rebuild_x, weight, dtype, x_col_major: bool, w_col_major: bool, needs,
-                   w_dtype, b_dtype):  # fmt: skip
+                   w_dtype, b_dtype, w_cast=None):  # fmt: skip
     """``addmm_forward``'s gradients (input, weight, bias; None where ``needs`` is False) with
     addmm's own backward formulas; the arguments as ``linear_backward``'s, ``w_col_major``
     whether the weight (in, out) is column-major (its gradient is then too)."""
@@ -142,7 +147,7 @@ def addmm_backward(grad, rebuild_x, weight, dtype, x_col_major: bool, w_col_majo
         gw = cast(g2.t().mm(x2).t() if w_col_major else x2.t().mm(g2), w_dtype)
         del x2
     if needs[0]:  # mm_mat1_backward
-        w = recast(weight, dtype)
+        w = recast(weight, dtype, w_cast)
         gx = (w.mm(g2.t())).t() if x_col_major else g2.mm(w.t())
         gx = gx.reshape(*grad.shape[:-1], w.shape[0])
     if b_dtype is not None and needs[2]:
@@ -157,10 +162,12 @@ class AddmmFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, dtype: torch.dtype | None, spec: QuantSpec, shares=(None,)):
-        out = addmm_forward(x, weight, bias, dtype)
+        wc = autocast_cast(weight, dtype)
+        out = addmm_forward(x, wc, bias, dtype)
         need_x, need_w = ctx.needs_input_grad[1], ctx.needs_input_grad[0]
         px = keep(x, spec, share_key=shares[0]) if need_x else None
-        quant.save(ctx, px, weight if need_w else None)
+        kept = kept_cast(weight, wc, spec) if need_w else None
+        quant.save(ctx, px, weight if need_w else None, kept)
         ctx.dtype, ctx.x_dtype, ctx.w_dtype = dtype, x.dtype, weight.dtype
         ctx.b_dtype = None if bias is None else bias.dtype
         ctx.col_major = addmm_col_major(x, weight)
@@ -169,10 +176,10 @@ class AddmmFn(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
-        px, weight = quant.load(ctx)
+        px, weight, kept = quant.load(ctx)
         grads = addmm_backward(
             grad, lambda: quant.dequantize(px, ctx.x_dtype), weight, ctx.dtype, *ctx.col_major,
-            ctx.needs_input_grad[:3], ctx.w_dtype, ctx.b_dtype,
+            ctx.needs_input_grad[:3], ctx.w_dtype, ctx.b_dtype, kept,
         )  # fmt: skip
         return *grads, None, None, None
 
