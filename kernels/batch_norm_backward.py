@@ -102,9 +102,10 @@ if HAS_TRITON:
         row_ok = rows < n_rows
         base = rows.to(tl.int64) * S
         ch = rows % C
-        # 1 / M as torch's kernels take it: M in fp32, then a division (rounded to nearest)
+        # 1 / M as torch's kernels take it: M in fp32, then a division (rounded to nearest);
+        # (added to an fp32 tensor: Triton passes an M of 1 as a constant, with no .to)
         inv_m = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32),
-                               tl.full([ROWS], 0.0, tl.float32) + m.to(tl.float32))  # fmt: skip
+                               tl.full([ROWS], 0.0, tl.float32) + m)  # fmt: skip
         # per row, torch's grad_mean, proj_scale (on x_hat: times invstd^-1 twice cancels)
         # and grad_scale
         mean_g = tl.load(sums_ptr + ch, mask=row_ok, other=0.0) * inv_m

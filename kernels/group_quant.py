@@ -239,14 +239,14 @@ if HAS_TRITON:
     def row_col(base, c, row_len, span):
         """Row and column, in rows of ``row_len`` elements, of the elements at
         ``base[:, None] + c[None, :]`` (``base``: int64 per tile row; ``c``: int32 columns below
-        ``span``). One int64 division per tile row; per element a compare where ``span`` is
-        at most ``row_len`` (an element is then in base's row or the next), else an int32
-        division: a 64-bit division per element held these kernels to a third of the copy
-        bandwidth."""
+        ``span``). One division per tile row; per element a compare where ``span`` is at most
+        ``row_len`` (an element is then in base's row or the next), else a division (rows
+        shorter than a group): a 64-bit division per element held these kernels to a third
+        of the copy bandwidth."""
         r0 = base // row_len
-        w = (base - r0 * row_len).to(tl.int32)[:, None] + c[None, :]
+        w = (base - r0 * row_len)[:, None] + c[None, :]  # int64: a row may pass 2**31
         if span <= row_len:
-            dr = (w >= row_len).to(tl.int32)
+            dr = (w >= row_len).to(tl.int64)
         else:
             dr = w // row_len
         return r0[:, None] + dr, w - dr * row_len

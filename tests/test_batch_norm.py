@@ -152,6 +152,25 @@ def test_backward_from_the_codes_in_two_passes(name, low, monkeypatch, triton_de
         assert sqnr_db(b, c) >= (100 if dtype == torch.float32 else 45), sqnr_db(b, c)
 
 
+def test_expanded_input():
+    """An expanded input (zero strides) trains: its input is rebuilt in row-major order, not
+    in the input's overlapping layout (which a copy cannot write), and the gradients are
+    those of the same values given contiguous (to fp32 rounding: that input takes the
+    kernels' path)."""
+    _, wrapped = _pair("2d", CNN)
+    w = torch.linspace(-1, 2, 3 * 6 * 5 * 7).view(3, 6, 5, 7)
+    grads = []
+    for contiguous in (False, True):
+        x0 = torch.randn(1, 6, 5, 7, generator=torch.Generator().manual_seed(2))
+        x0.requires_grad_(True)
+        x = x0.expand(3, 6, 5, 7)
+        (wrapped(x.contiguous() if contiguous else x) * w).sum().backward()
+        grads.append([x0.grad, *[p.grad.clone() for p in wrapped.parameters()]])
+        wrapped.zero_grad()
+    for a, b in zip(*grads, strict=True):
+        assert sqnr_db(b, a) >= 100, sqnr_db(b, a)
+
+
 def test_keeps_the_normalized_input_as_int8():
     """torch keeps the fp32 input (4 bytes per element); the wrapped BatchNorm one byte per
     element, an fp32 scale per 128, its per-channel mean and invstd, and (as torch) references

@@ -61,6 +61,18 @@ def _keep_normalized(x, mean, invstd, spec: QuantSpec) -> quant.Packed:
     return quant.quantize(x_hat, spec)
 
 
+def _dense(shape, stride) -> bool:
+    """Whether ``stride`` lays ``shape`` out without gaps or overlap (a permutation of the
+    row-major layout; an expanded tensor's zero strides overlap)."""
+    expected = 1
+    pairs = sorted((st, size) for size, st in zip(shape, stride, strict=True) if size != 1)
+    for st, size in pairs:
+        if st != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _rebuild_input(p: quant.Packed, mean, invstd, dtype, x_shape) -> torch.Tensor:
     """The input from its normalized codes, ``x_hat / invstd + mean`` per channel in fp32 then
     one cast to ``dtype``, in one dequantize pass (rows of the spatial size; no fp32
@@ -126,8 +138,9 @@ class BatchNormFn(torch.autograd.Function):
             x = _rebuild_input(px, mean, invstd, x_dtype, x_shape)
             if x.stride() != x_stride:
                 # in the input's layout (channels-last): the backward's reductions, so its
-                # gradients, follow the layout
-                x = x.new_empty_strided(x_shape, x_stride).copy_(x)
+                # gradients, follow the layout; not an expanded input's overlapping strides
+                if _dense(x_shape, x_stride):
+                    x = x.new_empty_strided(x_shape, x_stride).copy_(x)
         else:  # only the bias needs a gradient: the input is not read
             x = grad.new_empty_strided(x_shape, x_stride, dtype=x_dtype)
         w = recast(weight, dtype)
