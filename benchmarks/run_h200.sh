@@ -181,8 +181,8 @@ if [[ $what == compile-check ]]; then
 fi
 if [[ $what == session-check ]]; then
   # after a change to ops, quant, kernels or compile (about 6 minutes on an H100): the quantize
-  # kernel tests compiled (three processes), the fused-kernel and epilogue tests, the one-pass
-  # backwards' kernel tests (gated product, softmax: every case), the CUDA tests
+  # kernel tests compiled (three processes), the fused-kernel and epilogue tests, the
+  # backwards' kernel tests (gated product, softmax, BatchNorm, ReLU: every case), the CUDA tests
   # of the language-model paths (dropout attention, the fused head), beside the family training
   # check; every log's last line and failures in session_check.txt, the logs in one archive
   bash "$0" compile-check > "$OUT/compile_check.txt" 2>&1 &
@@ -193,10 +193,12 @@ if [[ $what == session-check ]]; then
     "-p no:warnings tests/kernels/test_group_quant.py -k 'not float32 and not float16'" \
     "-p no:warnings tests/kernels/test_fused.py -k '(float16 and not bfloat16) or silu or epilogue' \
      tests/kernels/test_norm_backward.py" \
-    "-p no:warnings tests/kernels/test_gated.py tests/kernels/test_softmax_backward.py" \
+    "-p no:warnings tests/kernels/test_gated.py tests/kernels/test_softmax_backward.py \
+     tests/kernels/test_batch_norm_backward.py tests/kernels/test_bits.py" \
     "-p no:warnings tests/test_attention.py tests/models/test_transformers.py \
      tests/models/test_fused_head.py tests/test_linear_cross_entropy.py tests/test_lm_ops.py \
-     tests/test_modules.py -k 'dropout or cuda or fused or one_pass'"
+     tests/test_modules.py tests/test_batch_norm.py tests/test_relu.py \
+     -k 'dropout or cuda or fused or one_pass or two_passes'"
   for f in "$OUT"/session_check_*.txt; do echo "$(basename "$f"): $(tail -n 1 "$f")"; grep -h "^FAILED" "$f" | head -n 8; done \
     > "$OUT/session_check.txt"
   grep "^|" "$OUT/compile_check.txt" >> "$OUT/session_check.txt"
