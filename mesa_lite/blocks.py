@@ -97,16 +97,9 @@ def _norm_linear_grads(ctx, grad, w, b_dtype, p_ln, mean, rstd, ln_w, ln_b, w_ca
         return quant.dequantize(p, grad.dtype)
 
     g_h, g_w, g_b = linear_backward(
-        grad,
-        rebuild_h,
-        w,
-        dtype,
-        ctx.hc_col_major,
-        (need_ln, n[3], n[4]),
-        w.dtype,
-        b_dtype,
+        grad, rebuild_h, w, dtype, ctx.hc_col_major, (need_ln, n[3], n[4]), w.dtype, b_dtype,
         w_cast,
-    )
+    )  # fmt: skip
     if not need_ln:
         return None, None, None, g_w, g_b
     x_shape, x_dtype, xc_dtype = ctx.x_meta
@@ -184,9 +177,8 @@ class NormAttentionFn(torch.autograd.Function):
     @staticmethod
     @first_order_only
     def backward(ctx, grad):
-        p_ln, mean, rstd, ln_w, ln_b, qkv_w, proj_w, qkv_wc, proj_wc, po, lse, *rest = quant.load(
-            ctx
-        )
+        loaded = quant.load(ctx)
+        p_ln, mean, rstd, ln_w, ln_b, qkv_w, proj_w, qkv_wc, proj_wc, po, lse, *rest = loaded
         kept, extra = rest[: ctx.n_qkv], rest[ctx.n_qkv :]
         dtype = ctx.cfg[1]
         n = ctx.needs_input_grad
