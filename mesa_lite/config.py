@@ -202,9 +202,10 @@ class Config:
             those inside the block Functions) keeps its weight's low-precision copy from
             forward to backward, as plain AMP does, instead of casting the parameter again in
             backward: a cast launch less per projection in backward, for 2 bytes per weight
-            element held until that backward (plain AMP holds the same). Off by default: the
-            copies count against the activation memory saved. Under torch.compile the
-            compiler decides what it keeps.
+            element and projection call held until that backward (plain AMP holds the same
+            for a weight used once; a weight used by two calls keeps two copies, where
+            autocast's cache keeps one). Off by default: the copies count against the
+            activation memory saved. Under torch.compile the compiler decides what it keeps.
     """
 
     bits: int = 8

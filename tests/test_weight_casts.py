@@ -2,7 +2,8 @@
 copy from forward to backward, as plain AMP keeps it, instead of casting the parameter again in
 backward. The gradients are the same bits either way (the same cast of the same weight); what
 changes is what backward casts and what the forward keeps: 2 bytes per weight element whose
-input gradient is needed, under bf16 autocast."""
+input gradient is needed, under bf16 autocast, for each projection call (a weight used twice
+keeps two copies)."""
 
 from __future__ import annotations
 
@@ -136,3 +137,27 @@ def test_config_checks_the_option():
         .checkpoint_spec()
         .keep_weight_casts
     )
+
+
+def test_a_weight_used_twice_keeps_a_copy_per_call():
+    """The documented cost of sharing: each call's Function keeps its own copy (autocast's
+    cache would have shared one cast), with the gradients still those without the option."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 32)
+    x = torch.randn(4, 32, requires_grad=True)
+    kept, grads = [], []
+    for keep in (False, True):
+        m = mesa_lite.wrap(copy.deepcopy(lin), mesa_lite.Config(keep_weight_casts=keep))
+
+        def run(m=m):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return m(m(x))
+
+        n, out = saved_activation_bytes(run, params=list(m.parameters()))
+        out.float().sum().backward()
+        kept.append(n)
+        grads.append([x.grad.clone(), m.weight.grad, m.bias.grad])
+        x.grad = None
+    assert kept[1] - kept[0] == 2 * 2 * lin.weight.numel()
+    for a, b in zip(*grads, strict=True):
+        assert_equal(b, a)
