@@ -26,13 +26,22 @@ class LazyModule:
     """
 
     def __init__(self, name: str) -> None:
-        self._name = name
-        self._module = None
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_module", None)
+
+    def _load(self):
+        if self._module is None:
+            object.__setattr__(self, "_module", importlib.import_module(self._name))
+        return self._module
 
     def __getattr__(self, attr: str):
-        if self._module is None:
-            self._module = importlib.import_module(self._name)
-        return getattr(self._module, attr)
+        return getattr(self._load(), attr)
+
+    def __setattr__(self, attr: str, value) -> None:
+        # a module switch set through the proxy (``quant.COMPILE_FORM = ...``) must reach the
+        # module: set on the proxy, it was read back from the proxy alone, and the module never
+        # saw it (compile_speed.py's custom_op rows ran the default form until 2026-12-06)
+        setattr(self._load(), attr, value)
 
     def __repr__(self) -> str:
         return f"<lazy module {self._name!r}>"

@@ -215,3 +215,20 @@ def test_native_bf16_detection_reads_the_cpu_flags(monkeypatch, tmp_path, reques
     assert detect() is True
     fake.write_text("Features\t: fp asimd bf16 i8mm\n")  # aarch64
     assert detect() is True
+
+
+def test_lazy_module_sets_attributes_on_the_module(monkeypatch):
+    """A switch set through a script's lazy module (``quant.COMPILE_FORM = ...``) reaches the
+    module itself, where the library reads it; set on the proxy alone, compile_speed.py's
+    custom_op rows ran the default form."""
+    import sys
+    import types
+
+    from mesa_lite.benchmarks.common import lazy_import
+
+    module = types.ModuleType("mesa_lite_lazy_probe")
+    module.SWITCH = "a"
+    monkeypatch.setitem(sys.modules, "mesa_lite_lazy_probe", module)
+    lazy = lazy_import("mesa_lite_lazy_probe")
+    lazy.SWITCH = "b"
+    assert module.SWITCH == "b" and lazy.SWITCH == "b"
