@@ -68,6 +68,7 @@ from .common import (
 torch = lazy_import("torch")
 F = lazy_import("torch.nn.functional")
 quant = lazy_import("mesa_lite.quant")
+bn_op = lazy_import("mesa_lite.ops.batch_norm")
 mesa_lite = lazy_import("mesa_lite")
 
 MIB = 2**20
@@ -108,6 +109,12 @@ ROWS = {
     "plain, graphed": ("amp", None, None, None, (), "plain"),
     "mesa int8, graphed": ("mesa", None, None, None, (), "plain, graphed"),
     "mesa int8, opt-in kinds, graphed": ("mesa", None, None, None, (), "plain, graphed"),
+    # issue 51's switches, each against the row without it: the weights' autocast copies kept
+    # for backward (Config(keep_weight_casts=True)); BatchNorm's input rebuilt and torch's
+    # backward run instead of its backward from the codes (ops.batch_norm.FUSED_BACKWARD off)
+    "mesa int8, weight casts kept": ("mesa", None, None, None, (), "mesa int8"),
+    "mesa int8, opt-in kinds, BatchNorm input rebuilt": (
+        "mesa", None, None, None, (), "mesa int8, opt-in kinds"),
 }  # fmt: skip
 DEFAULT_ROWS = ("plain", "mesa int8", "plain compiled", "mesa int8 compiled, custom_op",
                 "mesa int8 compiled, decomposed")  # fmt: skip
@@ -138,6 +145,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+@contextlib.contextmanager
+def _switch(owner, name: str, value):
+    """``owner.name`` set to ``value`` while the block runs."""
+    before = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, before)
+
+
 class _Row:
     def __init__(self, name, model_name, dtype):
         mode, compile_mode, self.form, options, self.patches, self.base = ROWS[name]
@@ -145,8 +163,12 @@ class _Row:
         from .deit_memory import make_model
 
         config = None
-        if "opt-in kinds" in name:
-            config = mesa_lite.Config(layers=mesa_lite.DEFAULT_LAYERS | mesa_lite.OPT_IN_KINDS)
+        if "opt-in kinds" in name or "weight casts kept" in name:
+            layers = mesa_lite.DEFAULT_LAYERS
+            if "opt-in kinds" in name:
+                layers = layers | mesa_lite.OPT_IN_KINDS
+            config = mesa_lite.Config(layers=layers, keep_weight_casts="weight casts kept" in name)
+        self.bn_rebuilt = "BatchNorm input rebuilt" in name
         self.static = name != "mesa int8, Triton's launcher"
         model = make_model(model_name, "fused", mode, 224, config=config).cuda()
         # wrapped models compile through mesa_lite.compile (its Inductor options), except
@@ -182,6 +204,8 @@ class _Row:
             stack.enter_context(launcher_switches(static=self.static))
             for option, value in self.patches:  # read while compiling
                 stack.enter_context(torch._functorch.config.patch({option: value}))
+            if self.bn_rebuilt:  # read in each backward
+                stack.enter_context(_switch(bn_op, "FUSED_BACKWARD", False))
             self.opt.zero_grad(set_to_none=True)
             with torch.autocast("cuda", dtype=self.dtype):
                 loss = F.cross_entropy(self.model(x), y)
