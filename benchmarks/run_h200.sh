@@ -4,7 +4,7 @@
 # ./out, a fixed folder: the GPU results committed in benchmarks/results/ were copied from it).
 #   bash benchmarks/run_h200.sh [suite|tests|bench|fidelity|main|coverage|speed-compiled|
 #     speed-compiled-options|speed-compiled-others|speed-eager|speed-tests|kernel-bw|kernel-tests|launch|
-#     compile-check|session-check|norm-backward|llm-head|llm-compiled|llm-timeline|cnn|llm|text|dist|all]
+#     compile-check|session-check|issue51-ab|norm-backward|llm-head|llm-compiled|llm-timeline|cnn|llm|text|dist|all]
 #   [extra deit_memory args...]
 # suite: the whole test suite (CPU and CUDA parametrizations), in parallel processes.
 # main: the Quickstart's main job as a new user runs it (python benchmarks/deit_memory.py, its
@@ -205,6 +205,18 @@ if [[ $what == session-check ]]; then
   cat "$OUT/session_check.txt"
   tar czf "$OUT/session_check_logs.tgz" -C "$OUT" $(cd "$OUT" && ls session_check_[0-9].txt compile_check.txt) \
     && rm -f "$OUT"/session_check_[0-9].txt "$OUT/compile_check.txt"
+fi
+if [[ $what == issue51-ab ]]; then
+  # issue 51's switches against the rows without them, interleaved (about 3 minutes): the
+  # weights' casts kept (DeiT-S), BatchNorm's backward from the codes against its input
+  # rebuilt (ResNet-50, batch 256, opt-in kinds), then every kernel against its op-by-op form
+  python3 benchmarks/compile_speed.py --models deit_small_patch16_224 --rows plain "mesa int8" \
+    "mesa int8, weight casts kept" --out "$OUT/issue51_ab_deit_s" 2>&1 | grep "^|"
+  python3 benchmarks/compile_speed.py --models resnet50 --batch-size 256 --rows plain \
+    "mesa int8, opt-in kinds" "mesa int8, opt-in kinds, BatchNorm input rebuilt" \
+    --out "$OUT/issue51_ab_resnet50" 2>&1 | grep "^|"
+  python3 benchmarks/kernels.py --models deit_small deit_base --out "$OUT/kernels_gpu" 2>&1 \
+    | grep -E "^\| deit"
 fi
 if [[ $what == norm-backward ]]; then
   # issue 51: the norms' one-launch backward (off by default until this measures it): its tests
