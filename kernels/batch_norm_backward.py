@@ -32,21 +32,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .group_quant import dequantize_tile, store_as
-
-    @triton.jit
-    def _tile(codes_ptr, scales_ptr, grad_ptr, base, row_ok, start, S, GROUP: tl.constexpr,
-              QMIN: tl.constexpr, BITS: tl.constexpr, PER_BYTE: tl.constexpr,
-              BLOCK: tl.constexpr):  # fmt: skip
-        """Offsets, mask, ``x_hat`` and ``g`` (fp32) of columns ``start + [0, BLOCK)`` of rows
-        starting at ``base``."""
-        c = start + tl.arange(0, BLOCK)
-        offs = base[:, None] + c[None, :]
-        mask = row_ok[:, None] & (c < S)[None, :]
-        s = tl.load(scales_ptr + offs // GROUP, mask=mask, other=0.0)
-        xh = dequantize_tile(codes_ptr, offs, mask, s, QMIN, BITS, PER_BYTE)
-        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        return offs, mask, xh, g
+    from .group_quant import rows_tile, store_as
 
     @triton.jit
     def _bn_sums_kernel(
@@ -69,8 +55,8 @@ if HAS_TRITON:
         acc_g = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         acc_gx = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
         for start in range(0, S, BLOCK):
-            _, _, xh, g = _tile(codes_ptr, scales_ptr, grad_ptr, base, row_ok, start, S, GROUP,
-                                QMIN, BITS, PER_BYTE, BLOCK)  # fmt: skip
+            _, _, xh, g = rows_tile(codes_ptr, scales_ptr, grad_ptr, base, row_ok, start, S,
+                                    GROUP, QMIN, BITS, PER_BYTE, BLOCK)  # fmt: skip
             acc_g += g
             acc_gx += g * xh
         tl.store(part_ptr + rows, tl.sum(acc_g, axis=1), mask=row_ok)
@@ -114,8 +100,8 @@ if HAS_TRITON:
         if HAS_WEIGHT:
             scale = scale * tl.load(weight_ptr + ch, mask=row_ok, other=0.0).to(tl.float32)
         for start in range(0, S, BLOCK):
-            offs, mask, xh, g = _tile(codes_ptr, scales_ptr, grad_ptr, base, row_ok, start, S,
-                                      GROUP, QMIN, BITS, PER_BYTE, BLOCK)  # fmt: skip
+            offs, mask, xh, g = rows_tile(codes_ptr, scales_ptr, grad_ptr, base, row_ok, start,
+                                          S, GROUP, QMIN, BITS, PER_BYTE, BLOCK)  # fmt: skip
             dx = (g - xh * proj[:, None] - mean_g[:, None]) * scale[:, None]
             store_as(out_ptr, offs, dx, mask, OUT_BF16)
 

@@ -545,6 +545,23 @@ if HAS_TRITON:
         return q * s
 
     @triton.jit
+    def rows_tile(codes_ptr, scales_ptr, grad_ptr, base, row_ok, start, row_len,
+                  GROUP: tl.constexpr, QMIN: tl.constexpr, BITS: tl.constexpr,
+                  PER_BYTE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        """Columns ``start + [0, BLOCK)`` of rows of ``row_len`` elements starting at ``base``
+        (int64 per row; ``row_ok`` the rows in range): offsets, mask, the value rebuilt from
+        its codes in fp32 (a row may span groups: each element's scale, ``GROUP`` a constant so
+        that the division is a shift) and the gradient at the same offsets in fp32. The tile
+        of the backwards that work on whole rows (softmax's, BatchNorm's)."""
+        c = start + tl.arange(0, BLOCK)
+        offs = base[:, None] + c[None, :]
+        mask = row_ok[:, None] & (c < row_len)[None, :]
+        s = tl.load(scales_ptr + offs // GROUP, mask=mask, other=0.0)
+        v = dequantize_tile(codes_ptr, offs, mask, s, QMIN, BITS, PER_BYTE)
+        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        return offs, mask, v, g
+
+    @triton.jit
     def _epilogue(v, offs, mask, base, c, group_size, p1_ptr, p2_ptr, row_len,
                   EPI: tl.constexpr, HAS_P1: tl.constexpr, HAS_P2: tl.constexpr,
                   MID: tl.constexpr, RN: tl.constexpr):  # fmt: skip

@@ -29,7 +29,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from .group_quant import dequantize_tile, round_to, store_as
+    from .group_quant import round_to, rows_tile, store_as
 
     @triton.jit
     def _softmax_backward_kernel(
@@ -48,14 +48,12 @@ if HAS_TRITON:
         BLOCK: tl.constexpr,
     ):
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK)
-        offs = rows.to(tl.int64)[:, None] * row_len + cols[None, :]
-        mask = (rows < n_rows)[:, None] & (cols < row_len)[None, :]
-        # a row may span groups: each element's scale (neighbours share it, so loads coalesce);
-        # a division by a runtime group size, 64-bit per element, cost more than the rest
-        s = tl.load(scales_ptr + offs // GROUP, mask=mask, other=0.0)
-        y = round_to(dequantize_tile(codes_ptr, offs, mask, s, QMIN, BITS, PER_BYTE), MID)
-        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        # a whole row a tile (scales found per element: a division by a runtime group size,
+        # 64-bit per element, cost more than the rest; GROUP is a constant)
+        offs, mask, y, g = rows_tile(codes_ptr, scales_ptr, grad_ptr, rows.to(tl.int64) * row_len,
+                                     rows < n_rows, 0, row_len, GROUP, QMIN, BITS, PER_BYTE,
+                                     BLOCK)  # fmt: skip
+        y = round_to(y, MID)
         dot = tl.sum(g * y, axis=1)
         store_as(out_ptr, offs, y * (g - dot[:, None]), mask, MID == 2)
 
