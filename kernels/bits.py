@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .group_quant import unpack_stored
 from .launch import HAS_TRITON, Launcher
 from .launch import use_triton as use_triton_for
 
@@ -83,8 +84,7 @@ def _nonzero(codes: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     low nibble of byte ``i`` at 4 bits) are not 0: ``n`` bools, flat."""
     if bits == 8:
         return codes.reshape(-1) != 0
-    low, high = codes & 0xF, codes >> 4
-    return torch.stack((low, high), 1).view(-1)[:n] != 0
+    return unpack_stored(codes, bits, n) != 0
 
 
 def relu_backward_codes_ref(grad: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:

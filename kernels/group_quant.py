@@ -1019,6 +1019,14 @@ def epilogue_ref(v: torch.Tensor, epilogue: tuple | None, dtype: torch.dtype) ->
     return torch.ops.aten.gelu_backward(grad, v.to(dtype), approximate=approximate).float()
 
 
+def unpack_stored(codes: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Packed 4- or 2-bit codes as the values stored (``code - qmin``), int32, ``n`` of them,
+    flat (element ``j`` of byte ``i`` in its bits ``j * bits`` up)."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
+    stored = (codes.reshape(-1).to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)
+    return stored.view(-1)[:n]
+
+
 def dequantize_ref(
     codes: torch.Tensor,
     scales: torch.Tensor,
@@ -1038,9 +1046,7 @@ def dequantize_ref(
     if bits == 8:
         q = codes.float()
     else:
-        shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
-        stored = (codes.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)
-        q = (stored.view(-1)[:n] + qrange(signed, bits)[0]).float()
+        q = (unpack_stored(codes, bits, n) + qrange(signed, bits)[0]).float()
     if epilogue is None and not torch.compiler.is_compiling():
         # one fp32 temporary at a time; under torch.compile the functional form below, which
         # Inductor makes one kernel of
