@@ -408,19 +408,26 @@ def host_us_per_call(calls: dict, reps: int = 2000) -> dict:
 
 
 @contextlib.contextmanager
-def launcher_switches(**switches):
-    """mesa_lite's kernel Launcher with its class switches set (``static=False``: kept kernels
-    through Triton's own launcher, the path before the static one; ``direct=False``: every
-    launch through ``kernel[grid]``), restored to on afterwards."""
-    from mesa_lite.kernels.launch import Launcher
-
-    for name, value in switches.items():
-        setattr(Launcher, name, value)
+def switched(owner, **values):
+    """``owner``'s attributes (a class's or a module's switches, a lazy module's too) set to
+    ``values`` while the block runs, then back to what they were."""
+    before = {name: getattr(owner, name) for name in values}
+    for name, value in values.items():
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        for name in switches:
-            setattr(Launcher, name, True)
+        for name, value in before.items():
+            setattr(owner, name, value)
+
+
+def launcher_switches(**switches):
+    """mesa_lite's kernel Launcher with its class switches set (``static=False``: kept kernels
+    through Triton's own launcher, the path before the static one; ``direct=False``: every
+    launch through ``kernel[grid]``), restored afterwards (both on by default)."""
+    from mesa_lite.kernels.launch import Launcher
+
+    return switched(Launcher, **switches)
 
 
 def sync(device: torch.device) -> None:

@@ -62,6 +62,7 @@ from .common import (
     markdown_table,
     positive_int,
     require_cuda,
+    switched,
     torch_dtype,
 )
 
@@ -145,17 +146,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-@contextlib.contextmanager
-def _switch(owner, name: str, value):
-    """``owner.name`` set to ``value`` while the block runs."""
-    before = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, before)
-
-
 class _Row:
     def __init__(self, name, model_name, dtype):
         mode, compile_mode, self.form, options, self.patches, self.base = ROWS[name]
@@ -205,7 +195,7 @@ class _Row:
             for option, value in self.patches:  # read while compiling
                 stack.enter_context(torch._functorch.config.patch({option: value}))
             if self.bn_rebuilt:  # read in each backward
-                stack.enter_context(_switch(bn_op, "FUSED_BACKWARD", False))
+                stack.enter_context(switched(bn_op, FUSED_BACKWARD=False))
             self.opt.zero_grad(set_to_none=True)
             with torch.autocast("cuda", dtype=self.dtype):
                 loss = F.cross_entropy(self.model(x), y)
