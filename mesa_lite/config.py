@@ -89,6 +89,11 @@ def _check_group_size(group_size: Any, field: str = "group_size") -> None:
         raise ValueError(f"{field} must be a positive int, got {group_size}")
 
 
+def _check_bool(value: Any, field: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{field} must be a bool, got {type(value).__name__}")
+
+
 def _check_rounding(rounding: Any, field: str = "rounding") -> None:
     if rounding is None:  # the default: nearest at 8 bits, stochastic below
         return
@@ -141,11 +146,8 @@ class QuantSpec:
         _check_packing(self.bits, self.group_size)
         if self.rounding is None:
             object.__setattr__(self, "rounding", default_rounding(self.bits))
-        if not isinstance(self.exact, bool):
-            raise TypeError(f"exact must be a bool, got {type(self.exact).__name__}")
-        if not isinstance(self.keep_weight_casts, bool):
-            raise TypeError(f"keep_weight_casts must be a bool, got "
-                            f"{type(self.keep_weight_casts).__name__}")  # fmt: skip
+        _check_bool(self.exact, "exact")
+        _check_bool(self.keep_weight_casts, "keep_weight_casts")
 
     @property
     def stochastic(self) -> bool:
@@ -266,13 +268,8 @@ class Config:
                 raise TypeError(f"{field}.enabled must be a bool, got {fields['enabled']!r}")
             frozen[name] = FrozenMap(fields)
         object.__setattr__(self, "overrides", FrozenMap(frozen))
-        if not isinstance(self.debug_exact, bool):
-            raise TypeError(f"debug_exact must be a bool, got {type(self.debug_exact).__name__}")
-        if not isinstance(self.keep_logits, bool):
-            raise TypeError(f"keep_logits must be a bool, got {type(self.keep_logits).__name__}")
-        if not isinstance(self.keep_weight_casts, bool):
-            raise TypeError(f"keep_weight_casts must be a bool, got "
-                            f"{type(self.keep_weight_casts).__name__}")  # fmt: skip
+        for field in ("debug_exact", "keep_logits", "keep_weight_casts"):
+            _check_bool(getattr(self, field), field)
         self._check_checkpoint()
 
     def _check_checkpoint(self) -> None:
