@@ -151,17 +151,19 @@ def test_relu_feeding_a_conv_keeps_the_conv_s_codes_only(inplace, layout, bits):
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-def test_shared_relu_backward_reads_the_codes_in_one_pass(layout, bits, monkeypatch):
+def test_shared_relu_backward_reads_the_codes_in_one_pass(layout, bits, monkeypatch,
+                                                         triton_device):  # fmt: skip
     """Issue 51: a sharing ReLU's backward is one kernel over the consumer's codes
-    (``kernels.bits.relu_backward_codes``, forced here in the interpreter): the input gradient
-    is torch's condition on the upstream gradient bit for bit, in either layout."""
+    (``kernels.bits.relu_backward_codes``, forced here: compiled on the GPU, else in the
+    interpreter): the input gradient is torch's condition on the upstream gradient bit for bit,
+    in either layout."""
     from mesa_lite.kernels import bits as kbits
 
     torch.manual_seed(0)
     wrapped = mesa_lite.wrap(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(),
                                            nn.Conv2d(16, 8, 3, padding=1)),
-                             dataclasses.replace(CNN, bits=bits))  # fmt: skip
-    x = torch.randn(2, 8, 16, 16)
+                             dataclasses.replace(CNN, bits=bits)).to(triton_device)  # fmt: skip
+    x = torch.randn(2, 8, 16, 16).to(triton_device)
     if layout == "channels_last":
         wrapped = wrapped.to(memory_format=torch.channels_last)
         x = x.to(memory_format=torch.channels_last)
