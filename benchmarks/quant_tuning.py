@@ -2,7 +2,7 @@
 
 For each tensor size, times the copy (``x.clone()``) and the group-quantization kernels at
 each (ROWS, num_warps) given, 8 and 4 bits (``--bits``), fp16 input, groups of 128, packed
-codes through lanes and through a reshaped tile (the kernels alone:
+codes in each of ``gq.PACKED_LAYOUTS`` (a reshaped tile, lanes, bytes; the kernels alone:
 codes and scales are allocated once, outside the timing). ``--timing queued`` (the default)
 queues the launches behind a spin kernel and takes the inputs in turn from copies that exceed
 the L2 cache, so a cell is the kernel's device time even where it is shorter than its launch
@@ -80,24 +80,25 @@ def _twins():
     return _TWINS
 
 
-def _quantize_launch(x, codes, scales, bits, rows, warps, lanes):
+def _quantize_launch(x, codes, scales, bits, rows, warps, layout):
     n, g = x.numel(), 128
     ng = n // g
     qmin, qmax = gq.qrange(True, bits)
     pb = gq.per_byte(bits)
     return lambda: gq._quantize_kernel[((ng + rows - 1) // rows,)](
         x, codes, scales, x, x, n, ng, g, 1, 0, qmin, qmax, bits, pb, False, False, False,
-        True, not gq.INTERPRETING, lanes, rows, 128, num_warps=warps,
+        True, not gq.INTERPRETING, gq.PACKED_LAYOUTS.index(layout) if bits < 8 else 0, rows, 128,
+        num_warps=warps,
     )  # fmt: skip
 
 
-def _dequantize_launch(codes, scales, out, bits, rows, warps, lanes):
+def _dequantize_launch(codes, scales, out, bits, rows, warps, layout):
     n, g = out.numel(), 128
     ng = n // g
     qmin, _ = gq.qrange(True, bits)
     return lambda: gq._dequantize_kernel[((ng + rows - 1) // rows,)](
         codes, scales, out, out, out, n, ng, g, 1, qmin, bits, gq.per_byte(bits), False,
-        0, False, False, 0, False, lanes, rows, 128, num_warps=warps,
+        0, False, False, 0, False, layout == "lanes", rows, 128, num_warps=warps,
     )  # fmt: skip
 
 
@@ -124,16 +125,18 @@ def _launch_shapes(xs, scales, bits: int, configs, add) -> None:
     def dequantized() -> bool:
         return torch.equal(out, ref_out)
 
-    # packed codes: through lanes (shipped, gq.PACKED_LANES) and through a reshaped tile
-    layouts = [(True, "lanes"), (False, "tile")] if bits < 8 else [(False, "-")]
-    for lanes, layout in layouts:
+    # packed codes: each of gq.PACKED_LAYOUTS (the shipped one is gq.PACKED_LAYOUT); dequantize
+    # has no "bytes" form (it reads them as "tile")
+    for layout in gq.PACKED_LAYOUTS if bits < 8 else ["-"]:
         for rows, warps in configs:
             add("quantize", bits, rows, warps,
-                [_quantize_launch(xi, codes, scales, bits, rows, warps, lanes) for xi in xs],
+                [_quantize_launch(xi, codes, scales, bits, rows, warps, layout) for xi in xs],
                 quantized, layout)  # fmt: skip
+        if layout == "bytes":
+            continue
         for rows, warps in configs:
             add("dequantize", bits, rows, warps,
-                [_dequantize_launch(c, ref_scales, out, bits, rows, warps, lanes)
+                [_dequantize_launch(c, ref_scales, out, bits, rows, warps, layout)
                  for c in code_copies], dequantized, layout)  # fmt: skip
 
 

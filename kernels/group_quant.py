@@ -439,6 +439,37 @@ if HAS_TRITON:
         tl.store(codes_ptr + at, packed.to(tl.uint8), mask=bmask)
 
     @triton.jit
+    def _quantize_bytes(
+        x_ptr, codes_ptr, scales_ptr, mean_ptr, rstd_ptr, n, rows, base, row_ok, group_size,
+        row_len, seed, QMIN: tl.constexpr, QMAX: tl.constexpr, BITS: tl.constexpr,
+        PER_BYTE: tl.constexpr, STOCHASTIC: tl.constexpr, NORM: tl.constexpr,
+        POSITIVE: tl.constexpr, RN: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """Packed codes of groups of at most BLOCK elements, the tile loaded as
+        [ROWS, BLOCK // PER_BYTE, PER_BYTE]: a byte's elements lie along the last axis, in one
+        thread (the load's contiguous axis), so each byte is a sum of its shifted codes in
+        registers, with neither a reshape of the tile (``_pack``'s split moves values between
+        threads) nor strided loads (``_quantize_lanes``). The same codes and scales as the
+        contiguous path, bit for bit."""
+        j = tl.arange(0, PER_BYTE)
+        c = tl.arange(0, BLOCK // PER_BYTE)[:, None] * PER_BYTE + j[None, :]  # [B, PER_BYTE]
+        offs = base[:, None, None] + c[None, :]
+        mask = row_ok[:, None, None] & (c[None, :] < group_size) & (offs < n)
+        # base[:, None] + c[None, :] in _load_x's row_col is this [ROWS, B, PER_BYTE] tile
+        x = _load_x(x_ptr, mean_ptr, rstd_ptr, offs, mask, base[:, None], c, group_size,
+                    row_len, NORM)  # fmt: skip
+        amax = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), axis=1)
+        scale = _scale_of(amax, QMAX)
+        tl.store(scales_ptr + rows, scale, mask=row_ok)
+        finite, pre, inv = _inverse(scale)
+        q = _codes(x, finite[:, None], pre[:, None], inv[:, None], offs, seed, QMIN, QMAX,
+                   STOCHASTIC, POSITIVE, RN)  # fmt: skip
+        stored = tl.where(mask, (q - QMIN).to(tl.int32), 0)
+        packed = tl.sum(stored << (j * BITS)[None, None, :], axis=2)  # disjoint bits: an OR
+        at, bmask = _code_bytes(base, row_ok, 0, group_size, n, PER_BYTE, BLOCK // PER_BYTE)
+        tl.store(codes_ptr + at, packed.to(tl.uint8), mask=bmask)
+
+    @triton.jit
     def _quantize_kernel(
         x_ptr,  # (n,) fp32/fp16/bf16, contiguous
         codes_ptr,  # (n,) int8/uint8 at 8 bits; (ceil(n / PER_BYTE),) uint8 below
@@ -459,7 +490,9 @@ if HAS_TRITON:
         POSITIVE: tl.constexpr,  # code 0 exactly where x <= 0 (see _codes)
         ONE_PASS: tl.constexpr,  # group_size <= BLOCK: one load per element
         RN: tl.constexpr,  # compiled: explicit round-to-nearest multiply (see _codes)
-        LANES: tl.constexpr,  # packed codes, ONE_PASS: the tile as lanes (_quantize_lanes)
+        # packed codes, ONE_PASS: 0 a reshape of the tile (_pack), 1 the tile as lanes
+        # (_quantize_lanes), 2 the tile as bytes (_quantize_bytes); PACKED_LAYOUTS's order
+        PACKING: tl.constexpr,
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -467,11 +500,17 @@ if HAS_TRITON:
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         row_ok = rows < n_groups
         base = rows.to(tl.int64) * group_size
-        if ONE_PASS and LANES and BITS < 8:
+        if ONE_PASS and PACKING == 1 and BITS < 8:
             _quantize_lanes(
                 x_ptr, codes_ptr, scales_ptr, mean_ptr, rstd_ptr, n, rows, base, row_ok,
                 group_size, row_len, seed, QMIN, QMAX, BITS, PER_BYTE, STOCHASTIC, NORM,
                 POSITIVE, RN, ROWS, BLOCK,
+            )  # fmt: skip
+        elif ONE_PASS and PACKING == 2 and BITS < 8:
+            _quantize_bytes(
+                x_ptr, codes_ptr, scales_ptr, mean_ptr, rstd_ptr, n, rows, base, row_ok,
+                group_size, row_len, seed, QMIN, QMAX, BITS, PER_BYTE, STOCHASTIC, NORM,
+                POSITIVE, RN, BLOCK,
             )  # fmt: skip
         elif ONE_PASS:
             cols = tl.arange(0, BLOCK)
@@ -660,9 +699,13 @@ if HAS_TRITON:
                 store_as(out_ptr, offs, v, mask, OUT_BF16)
 
 
-# Packed (4- and 2-bit) codes through lanes (``_quantize_lanes``; the dequantize kernel's
-# LANES branch) rather than a reshape of the tile; both give the same bytes and values.
-PACKED_LANES = False  # on once a GPU run shows it faster (docs/RESULTS.md)
+# How the kernels write and read packed (4- and 2-bit) codes: "tile", a reshape of the
+# contiguous tile (``_pack``, ``_unpack``); "lanes", element j of every byte at once
+# (``_quantize_lanes``; the dequantize kernel's LANES branch); "bytes", quantize's tile loaded
+# as [ROWS, bytes, elements of a byte] (``_quantize_bytes``; dequantize as "tile"). All give the
+# same bytes and values; the choice is speed (docs/RESULTS.md).
+PACKED_LAYOUTS = ("tile", "lanes", "bytes")
+PACKED_LAYOUT = "tile"
 
 
 @functools.lru_cache(maxsize=64)
@@ -758,7 +801,8 @@ def _quantize_plan(dtype, group_size, bits, positive, signed, normalized, stocha
     rows, block = _launch_shape(group_size, bits)
     qmin, qmax = qrange(signed, bits)
     tail = (qmin, qmax, bits, per_byte(bits), stochastic, normalized, positive,
-            group_size <= block, not INTERPRETING, PACKED_LANES, rows, block)  # fmt: skip
+            group_size <= block, not INTERPRETING, PACKED_LAYOUTS.index(PACKED_LAYOUT), rows,
+            block)  # fmt: skip
     launcher = _QUANTIZE if bits == 8 else _QUANTIZE_PACKED
     return _code_dtype(signed, bits), launcher, rows, tail
 
@@ -772,7 +816,8 @@ def _dequantize_plan(codes_dtype, scales_dtype, dtype, group_size, bits, signed)
         return None, 1, 0, ()
     rows, block = _launch_shape(group_size, bits)
     launcher = _DEQUANTIZE if bits == 8 else _DEQUANTIZE_PACKED
-    return launcher, rows, qrange(signed, bits)[0], (not INTERPRETING, PACKED_LANES, rows, block)
+    lanes = PACKED_LAYOUT == "lanes"
+    return launcher, rows, qrange(signed, bits)[0], (not INTERPRETING, lanes, rows, block)
 
 
 def quantize(

@@ -35,8 +35,9 @@ CASES = [(8, True, False, "*fp16", True, 0), (8, False, True, "*bf16", False, 1)
          (4, True, True, "*fp32", True, 2), (2, False, False, "*fp16", False, 3),
          (8, True, False, "*bf16", False, 4), (8, True, False, "*fp16", True, 5),
          (4, False, True, "*bf16", True, 6), (8, False, False, "*fp16", True, 3),
-         (2, True, False, "*bf16", True, 1)]
-# packed codes: quantize through lanes where epi < 3, dequantize where epi >= 3
+         (2, True, False, "*bf16", True, 1), (2, False, False, "*fp16", True, 5)]
+# packed codes: quantize through gq.PACKED_LAYOUTS[epi % 3] (bytes at 4 bits normalized and at
+# 2 bits), dequantize through lanes where epi >= 3
 for bits, signed, stochastic, x_dtype, one_pass, epi in CASES:
     per = gq.per_byte(bits)
     qmin, qmax = gq.qrange(signed, bits)
@@ -48,7 +49,7 @@ for bits, signed, stochastic, x_dtype, one_pass, epi in CASES:
               "row_len": "i32", "seed": "i32"},
              {"QMIN": qmin, "QMAX": qmax, "BITS": bits, "PER_BYTE": per, "STOCHASTIC": stochastic,
               "NORM": epi % 2 == 0, "POSITIVE": bits == 8 and not signed and epi % 2 == 1,
-              "ONE_PASS": one_pass, "RN": True, "LANES": epi < 3, "ROWS": rows, "BLOCK": 128},
+              "ONE_PASS": one_pass, "RN": True, "PACKING": epi % 3, "ROWS": rows, "BLOCK": 128},
              4 if bits == 8 else 1)
     compile_(gq._dequantize_kernel,
              {"codes_ptr": codes, "scales_ptr": "*fp32",
@@ -154,7 +155,7 @@ def test_kernels_compile_for_sm90():
         [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 25, res.stdout
+    assert res.stdout.count("compiled") == 26, res.stdout
 
 
 _ABI_SCRIPT = r"""
@@ -171,7 +172,7 @@ quantize = ({"x_ptr": "*fp16", "codes_ptr": "*i8", "scales_ptr": "*fp32", "mean_
              "rstd_ptr": "*fp32", "n": "i32", "group_size": "i32", "seed": "i64"},
             {"n_groups": 1, "row_len": 1, "QMIN": -127, "QMAX": 127, "BITS": 8, "PER_BYTE": 1,
              "STOCHASTIC": False, "NORM": False, "POSITIVE": False, "ONE_PASS": True, "RN": True,
-             "LANES": True, "ROWS": 32, "BLOCK": 128}, "OOOOOiil")
+             "PACKING": 0, "ROWS": 32, "BLOCK": 128}, "OOOOOiil")
 dequantize = ({"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*i16", "p1_ptr": "*fp32",
                "p2_ptr": "*fp16", "n": "i32", "n_groups": "i32", "group_size": "i32",
                "row_len": "i32"},

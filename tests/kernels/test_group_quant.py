@@ -372,12 +372,12 @@ def test_cuda_default_path_is_triton_and_exact():
 
 @pytest.fixture
 def packed_layout():
-    """Sets ``gq.PACKED_LANES`` (packed codes through lanes, or through a reshape of the
-    tile) for the test, the launch plans rebuilt; restored afterwards."""
-    saved = gq.PACKED_LANES
+    """Sets ``gq.PACKED_LAYOUT`` (how packed codes are written and read: a reshape of the tile,
+    lanes, or bytes) for the test, the launch plans rebuilt; restored afterwards."""
+    saved = gq.PACKED_LAYOUT
 
-    def use(lanes: bool) -> None:
-        gq.PACKED_LANES = lanes
+    def use(layout: str) -> None:
+        gq.PACKED_LAYOUT = layout
         gq._quantize_plan.cache_clear()
         gq._dequantize_plan.cache_clear()
 
@@ -388,12 +388,13 @@ def packed_layout():
 @pytest.mark.parametrize("bits, group_size", [(4, 6), (4, 128), (4, 1000), (2, 12), (2, 2048)],
                          ids=str)  # fmt: skip
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
-def test_packed_lanes_give_the_bytes_and_values_of_the_reshaped_tile(
+def test_packed_layouts_give_the_bytes_and_values_of_the_reshaped_tile(
     bits, group_size, dtype, packed_layout, triton_device
 ):
     """Issue 51: the 4- and 2-bit kernels read and write packed codes as lanes (element j of
-    every byte); the codes, scales and rebuilt values are those of the tile-reshaping path,
-    bit for bit, with every option and epilogue, at sizes that end mid-group and mid-byte."""
+    every byte) or, quantize, as a tile of bytes ([ROWS, bytes, elements of a byte]); the
+    codes, scales and rebuilt values are those of the tile-reshaping path, bit for bit, with
+    every option and epilogue, at sizes that end mid-group and mid-byte."""
     g = torch.Generator().manual_seed(3)
     rows, width = 5, 2 * group_size + 3 * (8 // bits)
     x = (torch.randn(rows, width, generator=g) * 3).to(dtype).to(triton_device)
@@ -410,24 +411,27 @@ def test_packed_lanes_give_the_bytes_and_values_of_the_reshaped_tile(
     epilogues = [None, ("affine", weight, None), ("unnormalize", *stats),
                  ("gelu", "tanh", dtype), ("gelu_backward", "none", grad),
                  ("silu", dtype), ("silu_backward", grad)]  # fmt: skip
+    assert gq.PACKED_LAYOUTS[0] == "tile"
     for kwargs in cases:
         results = []
         state = gq.rounding_state()
-        for lanes in (True, False):
-            packed_layout(lanes)
-            gq.set_rounding_state(state)  # the same stochastic-rounding seed in both
+        for layout in gq.PACKED_LAYOUTS:
+            packed_layout(layout)
+            gq.set_rounding_state(state)  # the same stochastic-rounding seed in each
             codes, scales = gq.quantize(x, group_size, use_triton=True, bits=bits, **kwargs)
             signed = kwargs.get("signed", True)
             outs = [gq.dequantize(codes, scales, group_size, dtype, use_triton=True, bits=bits,
                                   signed=signed, numel=n, epilogue=e) for e in epilogues]  # fmt: skip
             results.append((codes, scales, outs))
-        (c1, s1, o1), (c0, s0, o0) = results
-        assert_equal(c1.cpu(), c0.cpu(), f"codes {kwargs}")
-        assert_equal(s1.cpu(), s0.cpu(), f"scales {kwargs}")
-        for e, a, b in zip(epilogues, o1, o0, strict=True):
-            assert_equal(a.cpu(), b.cpu(), f"dequantized {kwargs} {e and e[0]}")
+        (c0, s0, o0) = results[0]
+        for layout, (c1, s1, o1) in zip(gq.PACKED_LAYOUTS[1:], results[1:], strict=True):
+            assert_equal(c1.cpu(), c0.cpu(), f"codes {layout} {kwargs}")
+            assert_equal(s1.cpu(), s0.cpu(), f"scales {layout} {kwargs}")
+            for e, a, b in zip(epilogues, o1, o0, strict=True):
+                assert_equal(a.cpu(), b.cpu(), f"dequantized {layout} {kwargs} {e and e[0]}")
         if not kwargs.get("stochastic"):
             rc, rs = gq.quantize_ref(x.cpu(), group_size, bits=bits,
                                      **{k: (tuple(t.cpu() for t in v) if k == "normalize" else v)
                                         for k, v in kwargs.items()})  # fmt: skip
-            assert_equal(c1.cpu(), rc, f"codes against the reference {kwargs}")
+            assert_equal(c0.cpu(), rc, f"codes against the reference {kwargs}")
+            assert_equal(s0.cpu(), rs, f"scales against the reference {kwargs}")
