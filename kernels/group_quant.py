@@ -357,13 +357,31 @@ if HAS_TRITON:
     @triton.jit
     def _code_bytes(base, row_ok, start, group_size, n, PER_BYTE: tl.constexpr,
                     BLOCK_B: tl.constexpr):  # fmt: skip
-        """Offsets and mask of the bytes that hold elements ``start`` to
+        """Offsets and masks of the bytes that hold elements ``start`` to
         ``start + BLOCK_B * PER_BYTE`` of each row's group (a group begins at element
-        ``base``), [ROWS, BLOCK_B]."""
+        ``base``, a multiple of PER_BYTE), [ROWS, BLOCK_B]: ``bmask`` the whole bytes, below
+        ``n // PER_BYTE``, ``tail`` the last byte where ``n % PER_BYTE`` leaves it part-filled.
+        Apart, each mask is constant over runs of bytes to the compiler, so the bytes move as
+        vectors; ``(n + PER_BYTE - 1) // PER_BYTE`` as one bound stored them a byte at a time."""
         b = start // PER_BYTE + tl.arange(0, BLOCK_B)
-        first = base[:, None] + b[None, :] * PER_BYTE
-        bmask = row_ok[:, None] & (b[None, :] < group_size // PER_BYTE) & (first < n)
-        return first // PER_BYTE, bmask
+        at = (base // PER_BYTE)[:, None] + b[None, :]
+        in_group = row_ok[:, None] & (b[None, :] < group_size // PER_BYTE)
+        return at, in_group & (at < n // PER_BYTE), in_group & (at == n // PER_BYTE)
+
+    @triton.jit
+    def store_code_bytes(codes_ptr, packed, at, bmask, tail, n, PER_BYTE: tl.constexpr):
+        """Stores packed bytes at ``_code_bytes``'s offsets and masks."""
+        tl.store(codes_ptr + at, packed.to(tl.uint8), mask=bmask)
+        if n % PER_BYTE != 0:
+            tl.store(codes_ptr + at, packed.to(tl.uint8), mask=tail)
+
+    @triton.jit
+    def load_code_bytes(codes_ptr, at, bmask, tail, n, PER_BYTE: tl.constexpr):
+        """Packed bytes (int32, 0 where masked) at ``_code_bytes``'s offsets and masks."""
+        byte = tl.load(codes_ptr + at, mask=bmask, other=0).to(tl.int32)
+        if n % PER_BYTE != 0:
+            byte = tl.where(tail, tl.load(codes_ptr + at, mask=tail, other=0).to(tl.int32), byte)
+        return byte
 
     @triton.jit
     def _store_codes(codes_ptr, q, offs, mask, base, row_ok, start, group_size, n,
@@ -376,9 +394,9 @@ if HAS_TRITON:
         else:
             packed = _pack(tl.where(mask, (q - QMIN).to(tl.int32), 0), ROWS, BLOCK, BITS,
                            PER_BYTE)  # fmt: skip
-            at, bmask = _code_bytes(base, row_ok, start, group_size, n, PER_BYTE,
-                                    BLOCK // PER_BYTE)  # fmt: skip
-            tl.store(codes_ptr + at, packed.to(tl.uint8), mask=bmask)
+            at, bmask, tail = _code_bytes(base, row_ok, start, group_size, n, PER_BYTE,
+                                          BLOCK // PER_BYTE)  # fmt: skip
+            store_code_bytes(codes_ptr, packed, at, bmask, tail, n, PER_BYTE)
 
     @triton.jit
     def _lane(x_ptr, mean_ptr, rstd_ptr, base, row_ok, b, j, group_size, n, row_len,
@@ -435,8 +453,9 @@ if HAS_TRITON:
                                  POSITIVE, RN) << (2 * BITS)  # fmt: skip
             packed |= _lane_code(x3, o3, m3, finite, pre, inv, seed, QMIN, QMAX, STOCHASTIC,
                                  POSITIVE, RN) << (3 * BITS)  # fmt: skip
-        at, bmask = _code_bytes(base, row_ok, 0, group_size, n, PER_BYTE, BLOCK // PER_BYTE)
-        tl.store(codes_ptr + at, packed.to(tl.uint8), mask=bmask)
+        at, bmask, tail = _code_bytes(base, row_ok, 0, group_size, n, PER_BYTE,
+                                      BLOCK // PER_BYTE)  # fmt: skip
+        store_code_bytes(codes_ptr, packed, at, bmask, tail, n, PER_BYTE)
 
     @triton.jit
     def _quantize_bytes(
@@ -466,8 +485,9 @@ if HAS_TRITON:
                    STOCHASTIC, POSITIVE, RN)  # fmt: skip
         stored = tl.where(mask, (q - QMIN).to(tl.int32), 0)
         packed = tl.sum(stored << (j * BITS)[None, None, :], axis=2)  # disjoint bits: an OR
-        at, bmask = _code_bytes(base, row_ok, 0, group_size, n, PER_BYTE, BLOCK // PER_BYTE)
-        tl.store(codes_ptr + at, packed.to(tl.uint8), mask=bmask)
+        at, bmask, tail = _code_bytes(base, row_ok, 0, group_size, n, PER_BYTE,
+                                      BLOCK // PER_BYTE)  # fmt: skip
+        store_code_bytes(codes_ptr, packed, at, bmask, tail, n, PER_BYTE)
 
     @triton.jit
     def _quantize_kernel(
@@ -668,9 +688,9 @@ if HAS_TRITON:
             # of the tile (``_unpack``'s join moves values between threads)
             b = tl.arange(0, BLOCK // PER_BYTE)
             for start in range(0, group_size, BLOCK):
-                at, bmask = _code_bytes(base, row_ok, start, group_size, n, PER_BYTE,
-                                        BLOCK // PER_BYTE)  # fmt: skip
-                byte = tl.load(codes_ptr + at, mask=bmask, other=0).to(tl.int32)
+                at, bmask, tail = _code_bytes(base, row_ok, start, group_size, n, PER_BYTE,
+                                              BLOCK // PER_BYTE)  # fmt: skip
+                byte = load_code_bytes(codes_ptr, at, bmask, tail, n, PER_BYTE)
                 for j in tl.static_range(PER_BYTE):
                     c = start + b * PER_BYTE + j
                     offs = base[:, None] + c[None, :]
@@ -689,9 +709,9 @@ if HAS_TRITON:
                 if BITS == 8:
                     v = dequantize_tile(codes_ptr, offs, mask, s, QMIN, BITS, PER_BYTE)
                 else:  # each byte loaded once, unpacked in registers
-                    at, bmask = _code_bytes(base, row_ok, start, group_size, n, PER_BYTE,
-                                            BLOCK // PER_BYTE)  # fmt: skip
-                    byte = tl.load(codes_ptr + at, mask=bmask, other=0).to(tl.int32)
+                    at, bmask, tail = _code_bytes(base, row_ok, start, group_size, n,
+                                                  PER_BYTE, BLOCK // PER_BYTE)  # fmt: skip
+                    byte = load_code_bytes(codes_ptr, at, bmask, tail, n, PER_BYTE)
                     q = _unpack(byte, ROWS, BLOCK, BITS, PER_BYTE) + QMIN
                     v = q.to(tl.float32) * s
                 v = _epilogue(v, offs, mask, base, c, group_size, p1_ptr, p2_ptr, row_len,

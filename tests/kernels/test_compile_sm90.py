@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="GPU: kernels run compiled")
 
 _SCRIPT = r"""
+import re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -146,6 +147,22 @@ for bits in (8, 4):
              {"grad_ptr": "*i16", "codes_ptr": "*u8", "out_ptr": "*i16", "n": "i32"},
              {"BITS": bits, "BLOCK": 4 * kbits._BLOCK}, 4)
     print("compiled relu backward from codes", bits)
+
+# packed codes move as vectors: the 4-bit quantize's stores of code bytes
+# at the shipped shape, the sizes divisible by 16 as Triton specializes them at launch (a byte
+# at a time, 16 per thread, when the masks' bound was (n + 1) // 2)
+aligned = {(i,): [["tt.divisibility", 16]] for i in range(9)}
+rows = gq._launch_shape(128, 4)[0]
+k = triton.compile(ASTSource(fn=gq._quantize_kernel, signature={
+        "x_ptr": "*fp16", "codes_ptr": "*u8", "scales_ptr": "*fp32", "mean_ptr": "*fp32",
+        "rstd_ptr": "*fp32", "n": "i32", "n_groups": "i32", "group_size": "i32", "row_len": "i32",
+        "seed": "i32", **dict.fromkeys(["QMIN", "QMAX", "BITS", "PER_BYTE", "STOCHASTIC", "NORM",
+        "POSITIVE", "ONE_PASS", "RN", "PACKING", "ROWS", "BLOCK"], "constexpr")},
+    constexprs={"QMIN": -7, "QMAX": 7, "BITS": 4, "PER_BYTE": 2, "STOCHASTIC": False,
+                "NORM": False, "POSITIVE": False, "ONE_PASS": True, "RN": True, "PACKING": 0,
+                "ROWS": rows, "BLOCK": 128}, attrs=aligned),
+    target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+print("packed stores", sorted(set(re.findall(r"st\.global\.v\d\.b32", k.asm["ptx"]))))
 """
 
 
@@ -156,6 +173,7 @@ def test_kernels_compile_for_sm90():
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("compiled") == 26, res.stdout
+    assert "packed stores ['st.global.v2.b32']" in res.stdout, res.stdout
 
 
 _ABI_SCRIPT = r"""
