@@ -517,7 +517,22 @@ if HAS_TRITON:
         BLOCK: tl.constexpr,
     ):
         # Each program quantizes ROWS groups.
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        _quantize_program(
+            tl.program_id(0), x_ptr, codes_ptr, scales_ptr, mean_ptr, rstd_ptr, n, n_groups,
+            group_size, row_len, seed, QMIN, QMAX, BITS, PER_BYTE, STOCHASTIC, NORM, POSITIVE,
+            ONE_PASS, RN, PACKING, ROWS, BLOCK,
+        )  # fmt: skip
+
+    @triton.jit
+    def _quantize_program(
+        pid, x_ptr, codes_ptr, scales_ptr, mean_ptr, rstd_ptr, n, n_groups, group_size,
+        row_len, seed, QMIN: tl.constexpr, QMAX: tl.constexpr, BITS: tl.constexpr,
+        PER_BYTE: tl.constexpr, STOCHASTIC: tl.constexpr, NORM: tl.constexpr,
+        POSITIVE: tl.constexpr, ONE_PASS: tl.constexpr, RN: tl.constexpr,
+        PACKING: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """Program ``pid`` of ``_quantize_kernel``: groups ``pid * ROWS`` onwards."""
+        rows = pid * ROWS + tl.arange(0, ROWS)
         row_ok = rows < n_groups
         base = rows.to(tl.int64) * group_size
         if ONE_PASS and PACKING == 1 and BITS < 8:
@@ -562,6 +577,39 @@ if HAS_TRITON:
                 q = _codes(x, finite, pre, inv, offs, seed, QMIN, QMAX, STOCHASTIC, POSITIVE, RN)
                 _store_codes(codes_ptr, q, offs, mask, base, row_ok, start, group_size, n,
                              QMIN, BITS, PER_BYTE, ROWS, BLOCK)  # fmt: skip
+
+    @triton.jit
+    def _quantize3_kernel(
+        x0_ptr, x1_ptr, x2_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr, s2_ptr, n0, n1, n2,
+        group_size, QMIN: tl.constexpr, QMAX: tl.constexpr, BITS: tl.constexpr,
+        PER_BYTE: tl.constexpr, ONE_PASS: tl.constexpr, RN: tl.constexpr,
+        PACKING: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """Three tensors quantized alike in one launch (attention's q, k and v): the first
+        programs take x0's groups, the next x1's, the rest x2's, each program as
+        ``_quantize_kernel``'s (nearest rounding, no normalization)."""
+        pid = tl.program_id(0)
+        g0 = (n0 + group_size - 1) // group_size
+        g1 = (n1 + group_size - 1) // group_size
+        p0 = (g0 + ROWS - 1) // ROWS
+        p1 = (g1 + ROWS - 1) // ROWS
+        if pid < p0:
+            _quantize_program(
+                pid, x0_ptr, c0_ptr, s0_ptr, x0_ptr, x0_ptr, n0, g0, group_size, 1, 0, QMIN,
+                QMAX, BITS, PER_BYTE, False, False, False, ONE_PASS, RN, PACKING, ROWS, BLOCK,
+            )  # fmt: skip
+        elif pid < p0 + p1:
+            _quantize_program(
+                pid - p0, x1_ptr, c1_ptr, s1_ptr, x1_ptr, x1_ptr, n1, g1, group_size, 1, 0,
+                QMIN, QMAX, BITS, PER_BYTE, False, False, False, ONE_PASS, RN, PACKING, ROWS,
+                BLOCK,
+            )  # fmt: skip
+        else:
+            _quantize_program(
+                pid - p0 - p1, x2_ptr, c2_ptr, s2_ptr, x2_ptr, x2_ptr, n2,
+                (n2 + group_size - 1) // group_size, group_size, 1, 0, QMIN, QMAX, BITS,
+                PER_BYTE, False, False, False, ONE_PASS, RN, PACKING, ROWS, BLOCK,
+            )  # fmt: skip
 
     @triton.jit
     def _bf16_bits_rtne(v):
@@ -809,6 +857,8 @@ if HAS_TRITON:
     # 4 and 2 bits: fewer warps for the smaller programs (the fastest measured on the H200)
     _QUANTIZE_PACKED = Launcher(_quantize_kernel, num_warps=1)
     _DEQUANTIZE_PACKED = Launcher(_dequantize_kernel, num_warps=2)
+    _QUANTIZE3 = Launcher(_quantize3_kernel)
+    _QUANTIZE3_PACKED = Launcher(_quantize3_kernel, num_warps=1)
 
 
 @functools.lru_cache(maxsize=256, typed=True)
@@ -905,6 +955,46 @@ def quantize(
         x, codes, scales, mean, rstd, n, ng, group_size, row_len, seed, *tail,
     )  # fmt: skip
     return codes, scales
+
+
+def quantize3(
+    xs: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    group_size: int = 128,
+    signed: bool = True,
+    use_triton: bool | None = None,
+    bits: int = 8,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Quantizes three tensors alike (attention's q, k and v), each as ``quantize(x,
+    group_size, signed, bits=bits)`` would, bit for bit, in one kernel launch where Triton
+    runs: ``[(codes, scales)] * 3``. Nearest rounding, no normalization. The three share a
+    dtype and a device; their sizes may differ (grouped-query k and v)."""
+    if len(xs) != 3 or not all(isinstance(x, torch.Tensor) for x in xs):
+        raise TypeError("quantize3: xs must be three torch.Tensors")
+    x0 = xs[0]
+    if any(x.dtype != x0.dtype or x.device != x0.device for x in xs):
+        raise ValueError(
+            f"quantize3: the three tensors must share a dtype and a device, got "
+            f"{[(x.dtype, str(x.device)) for x in xs]}"
+        )
+    code_dtype, _, rows, tail = _quantize_plan(x0.dtype, group_size, bits, False, signed, False,
+                                               False)  # fmt: skip
+    if use_triton is None:
+        use_triton = use_triton_for(x0)
+    if not use_triton or any(x.numel() == 0 for x in xs):
+        return [quantize(x, group_size, signed, use_triton=use_triton, bits=bits) for x in xs]
+    xs = [x if x.is_contiguous() else x.contiguous() for x in xs]
+    ns = [x.numel() for x in xs]
+    ngs = [n_groups_of(n, group_size) for n in ns]
+    codes = [torch.empty(n_code_bytes(n, bits), dtype=code_dtype, device=x0.device) for n in ns]
+    scales = [torch.empty(ng, dtype=torch.float32, device=x0.device) for ng in ngs]
+    programs = sum((ng + rows - 1) // rows for ng in ngs)
+    qmin, qmax, _, per, _, _, _, one_pass, rn, packing = tail[:10]
+    launcher = _QUANTIZE3 if bits == 8 else _QUANTIZE3_PACKED
+    launcher(
+        (programs,), *xs, *codes, *scales, *ns, group_size, qmin, qmax, bits, per, one_pass, rn,
+        packing, rows, tail[-1],
+    )  # fmt: skip
+    return list(zip(codes, scales, strict=True))
 
 
 def quantize_ref(

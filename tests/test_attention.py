@@ -350,3 +350,46 @@ def test_fp64_attention_then_an_exact_projection_gives_pytorch_s_gradients(heads
                 lambda o, w: linear(o, w, None, QuantSpec(exact=True)))  # fmt: skip
     for a, b in zip(got, ref, strict=True):
         assert_equal(a, b, "fp64 gradient")
+
+
+@pytest.mark.parametrize("case", ["separate", "grouped_query", "repeat_kv"])
+@pytest.mark.parametrize("autocast", ["fp32", "bf16"], ids=str)
+def test_separate_q_k_v_are_quantized_in_one_launch(case, autocast, triton_device, monkeypatch):
+    """Issue 51: q, k and v from separate projections (Hugging Face's attention: separate
+    tensors, grouped-query k and v, repeat_kv's expanded views) are quantized in one launch
+    (``quant.quantize3``, forced here: compiled on the GPU, else in Triton's interpreter) and
+    keep what three quantize calls keep: the forward and every gradient bit for bit."""
+    from mesa_lite.kernels import group_quant as gq
+
+    from mesa_lite import quant
+
+    g = torch.Generator().manual_seed(7)
+    kv_heads = 4 if case == "separate" else 2
+    q = torch.randn(2, 4, 40, 16, generator=g).to(triton_device).requires_grad_()
+    k, v = (torch.randn(2, kv_heads, 40, 16, generator=g).to(triton_device).requires_grad_()
+            for _ in "kv")  # fmt: skip
+    gqa = case == "grouped_query"
+
+    def step():
+        kk, vv = k, v
+        if case == "repeat_kv":  # Hugging Face's repeat_kv: a stride-0 expand, then reshape
+            kk, vv = (t[:, :, None].expand(2, 2, 2, 40, 16).reshape(2, 4, 40, 16) for t in (k, v))
+        out = _run(mesa_sdpa, q * 1.0, kk * 1.0, vv, triton_device, AUTOCAST[autocast],
+                   enable_gqa=gqa, spec=QuantSpec())  # fmt: skip
+        grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+        return out, grads
+
+    real = gq.quantize3
+    calls = []
+    monkeypatch.setattr(gq, "quantize3", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    if mesa_lite.ops.attention.sdpa_backend(q, k, v, 0.0, False, None, None, gqa) < 1:
+        pytest.skip("PyTorch runs this attention on its math path here")
+    monkeypatch.setattr(quant, "use_triton", lambda t: True)
+    one_launch = step()
+    assert calls == [1]
+    monkeypatch.setattr(quant, "quantize3", lambda xs, spec: None)  # three quantize calls
+    three = step()
+    assert calls == [1]
+    assert_equal(one_launch[0], three[0], "forward")
+    for what, a, b in zip("qkv", three[1], one_launch[1], strict=True):
+        assert_equal(b, a, f"grad of {what}")

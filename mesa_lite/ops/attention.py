@@ -40,13 +40,20 @@ def _keep_in_memory_order(t: torch.Tensor, spec: QuantSpec) -> tuple[quant.Packe
     autograd frees only in backward (a forward with no backward leaked its graph)."""
     if spec.exact or not quant.compressible(t):
         return quant.quantize(t, spec), (tuple(range(t.dim())), None)
+    view, layout = _memory_view(t)
+    return quant.quantize(view, spec), layout
+
+
+def _memory_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """``t`` un-expanded and permuted to its memory order (``_keep_in_memory_order``): the view
+    to quantize and ``(order, expand)`` for ``_restore``."""
     broadcast = [d for d in range(t.dim()) if t.stride(d) == 0 and t.shape[d] > 1]
     expand = None
     if broadcast:
         expand = tuple(t.shape)
         t = t[tuple(slice(0, 1) if d in broadcast else slice(None) for d in range(t.dim()))]
     order = quant.memory_order(t)
-    return quant.quantize(t.permute(order), spec), (order, expand)
+    return t.permute(order), (order, expand)
 
 
 def _restore(p: quant.Packed, layout: tuple) -> torch.Tensor:
@@ -232,7 +239,8 @@ def keep_qkv(q, k, v, spec: QuantSpec, split=None) -> tuple[list, object]:
     views of its rebuild. ``split``: ``(qkv, heads)`` when the caller made them as timm does,
     ``qkv.reshape(B, N, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)``; otherwise the
     tensor is found through ``_base`` (not under torch.compile). Else each is kept in its
-    memory order."""
+    memory order: at 8 bits in one launch where the kernels run (``quant.quantize3``, as for
+    Hugging Face's separate projections)."""
     if spec.bits == 8 and split is not None:
         qkv, heads = split
         return [quant.quantize(qkv, spec)], ("split", (*qkv.shape[:2], heads))
@@ -241,6 +249,11 @@ def keep_qkv(q, k, v, spec: QuantSpec, split=None) -> tuple[list, object]:
         off = base.storage_offset()
         views = [(t.shape, t.stride(), t.storage_offset() - off) for t in (q, k, v)]
         return [quant.quantize(base, spec)], ("views", views)
+    if spec.bits == 8 and not spec.exact:  # separate tensors (Hugging Face's projections)
+        views = [_memory_view(t) for t in (q, k, v)]
+        kept = quant.quantize3([t for t, _ in views], spec)  # one launch, where it applies
+        if kept is not None:
+            return kept, ("orders", [layout for _, layout in views])
     # q and k at 8 bits even when the spec asks for fewer: backward rebuilds the attention
     # probabilities as exp(q k^T * scale - logsumexp), which exponentiates their error (at 2
     # bits all four low gave gradients 70 dB worse than q, k at 8)

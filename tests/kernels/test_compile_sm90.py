@@ -148,6 +148,19 @@ for bits in (8, 4):
              {"BITS": bits, "BLOCK": 4 * kbits._BLOCK}, 4)
     print("compiled relu backward from codes", bits)
 
+# attention's q, k and v in one launch (quantize3), 8 and 4 bits at their shipped shapes
+for bits, x_dtype in ((8, "*bf16"), (4, "*fp16")):
+    rows = gq._launch_shape(128, bits)[0]
+    codes = "*i8" if bits == 8 else "*u8"
+    compile_(gq._quantize3_kernel,
+             {**{f"x{i}_ptr": x_dtype for i in range(3)}, **{f"c{i}_ptr": codes for i in range(3)},
+              **{f"s{i}_ptr": "*fp32" for i in range(3)}, "n0": "i32", "n1": "i32", "n2": "i32",
+              "group_size": "i32"},
+             {"QMIN": gq.qrange(True, bits)[0], "QMAX": gq.qrange(True, bits)[1], "BITS": bits,
+              "PER_BYTE": gq.per_byte(bits), "ONE_PASS": True, "RN": True, "PACKING": 0,
+              "ROWS": rows, "BLOCK": 128}, 4 if bits == 8 else 1)
+    print("compiled quantize3", bits)
+
 # packed codes move as vectors: the 4-bit quantize's stores of code bytes
 # at the shipped shape, the sizes divisible by 16 as Triton specializes them at launch (a byte
 # at a time, 16 per thread, when the masks' bound was (n + 1) // 2)
@@ -172,7 +185,7 @@ def test_kernels_compile_for_sm90():
         [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.count("compiled") == 26, res.stdout
+    assert res.stdout.count("compiled") == 28, res.stdout
     assert "packed stores ['st.global.v2.b32']" in res.stdout, res.stdout
 
 

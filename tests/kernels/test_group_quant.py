@@ -435,3 +435,44 @@ def test_packed_layouts_give_the_bytes_and_values_of_the_reshaped_tile(
                                         for k, v in kwargs.items()})  # fmt: skip
             assert_equal(c0.cpu(), rc, f"codes against the reference {kwargs}")
             assert_equal(s0.cpu(), rs, f"scales against the reference {kwargs}")
+
+
+@pytest.mark.parametrize("bits, signed, layout", [(8, True, "tile"), (8, False, "tile"),
+                                                  (4, True, "tile"), (4, False, "bytes"),
+                                                  (2, True, "lanes")], ids=str)  # fmt: skip
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_quantize3_is_three_quantize_calls_in_one_launch(bits, signed, layout, dtype,
+                                                         packed_layout, triton_device,
+                                                         monkeypatch):  # fmt: skip
+    """Issue 51: attention's q, k and v quantized in one launch give each tensor's codes and
+    scales of its own quantize call, bit for bit: sizes that differ (grouped-query k and v),
+    end mid-group and mid-byte, a non-contiguous input, NaN and inf kept."""
+    packed_layout(layout)
+    g = torch.Generator().manual_seed(5)
+    q = (torch.randn(2, 4, 37, 16, generator=g) * 3).to(dtype).to(triton_device)
+    k = (torch.randn(2, 1, 37, 16, generator=g) * 0.01).to(dtype).to(triton_device)
+    v = (torch.randn(1, 37, 1, 15, generator=g)).to(dtype).to(triton_device).transpose(1, 2)
+    q.view(-1)[3], k.view(-1)[200] = float("nan"), float("inf")
+    launches = []
+    real = gq._QUANTIZE3 if bits == 8 else gq._QUANTIZE3_PACKED
+    launcher_type = type(real)
+    call = launcher_type.__call__
+    monkeypatch.setattr(launcher_type, "__call__",
+                        lambda self, *a: (launches.append(self), call(self, *a))[1])  # fmt: skip
+    got = gq.quantize3((q, k, v), 64, signed=signed, use_triton=True, bits=bits)
+    assert launches == [real]
+    monkeypatch.setattr(launcher_type, "__call__", call)
+    for x, (codes, scales) in zip((q, k, v), got, strict=True):
+        want_codes, want_scales = gq.quantize(x, 64, signed=signed, use_triton=True, bits=bits)
+        assert_equal(codes.cpu(), want_codes.cpu(), "codes")
+        assert_equal(scales.cpu(), want_scales.cpu(), "scales")
+        ref_codes, _ = gq.quantize_ref(x.cpu(), 64, signed=signed, bits=bits)
+        assert_equal(codes.cpu(), ref_codes, "codes against the reference")
+
+
+def test_quantize3_refuses_mixed_dtypes():
+    x = torch.randn(8)
+    with pytest.raises(ValueError, match="share a dtype"):
+        gq.quantize3((x, x.half(), x), 8)
+    with pytest.raises(TypeError, match="three"):
+        gq.quantize3((x, x), 8)
