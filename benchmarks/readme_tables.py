@@ -187,11 +187,11 @@ def _deit(src: _Sources) -> list[str]:
         ("DeiT-S", ("checkpoint_pareto_gpu_repeats",
                     dict(model="deit_small_patch16_224", point="plain"),
                     dict(model="deit_small_patch16_224", point="int8")),
-         ("eager_speed_vit_gpu", "row", "plain", "mesa int8", "deit_small_patch16_224")),
+         ("speed_vit_h100_1206", "row", "plain", "mesa int8", "deit_small_patch16_224")),
         ("DeiT-B", ("checkpoint_pareto_gpu_repeats",
                     dict(model="deit_base_patch16_224", point="plain"),
                     dict(model="deit_base_patch16_224", point="int8")),
-         ("eager_speed_vit_gpu", "row", "plain", "mesa int8", "deit_base_patch16_224")),
+         ("speed_vit_h100_1206", "row", "plain", "mesa int8", "deit_base_patch16_224")),
     ]  # fmt: skip
     rows = []
     for label, (pfile, pplain, pmesa), (sfile, key, splain, smesa, model) in models:
@@ -217,31 +217,37 @@ def _cnn(src: _Sources) -> list[str]:
     """Convolutional networks with the opt-in kinds: plain AMP, timm's checkpointing, 8 and 4
     bits; ResNet-50, EfficientNet-B0 and MobileNetV3-large at batch 256, ConvNeXt-T and Swin-T
     at 128 (Swin-T with timm's explicit window attention, its default, and fused). Each ratio
-    against the plain row of its own run. Peaks from the memory runs; the steps of plain,
+    against the plain row of its own run. Peaks from the memory runs: the H100's of 2026-12-06,
+    after the backwards that read the codes, for ResNet-50, EfficientNet-B0 and ConvNeXt-T, the
+    H200's before them for the rest (that H100 run's single steps gave Swin-T fused 8 bits
+    1.36x, where the interleaved ViT run of the same day gives 1.17x). The steps of plain,
     checkpointing and 8 bits from the interleaved eager-speed run where it measured the model
-    (ResNet-50, EfficientNet-B0: medians of 3 interleaved passes), the memory runs' otherwise
-    (each the median of one run's steps)."""
+    (ResNet-50, EfficientNet-B0: medians of 3 interleaved passes; a memory run's single steps
+    gave EfficientNet-B0's 8 bits 0.87x where the interleaved run gives 1.21x), the memory
+    runs' otherwise (each the median of one run's steps)."""
     speed = {"ckpt": "ckpt", "mesa int8": "mesa int8, opt-in kinds"}  # memory label -> row
-    timed = {r["model"] for r in src.rows("eager_speed_cnn_gpu")}
+    timed = {r["model"] for r in src.rows("eager_speed_cnn_h100_1206")}
     rows = []
     for label, model, name, match in (
-        ("ResNet-50", "resnet50", "cnn_memory_gpu_relu4", {}),
-        ("EfficientNet-B0", "efficientnet_b0", "cnn_memory_gpu_act", {}),
+        ("ResNet-50", "resnet50", "cnn_memory_gpu_h100_1206", {}),
+        ("EfficientNet-B0", "efficientnet_b0", "cnn_memory_gpu_h100_1206", {}),
         ("MobileNetV3-large", "mobilenetv3_large_100", "cnn_memory_gpu_act", {}),
-        ("ConvNeXt-T", "convnext_tiny", "cnn_memory_gpu_128", {}),
+        ("ConvNeXt-T", "convnext_tiny", "cnn_memory_gpu_128_h100_1206", {}),
         ("Swin-T", "swin_tiny_patch4_window7_224", "swin_memory_gpu", {"attention": "explicit"}),
         ("Swin-T, fused attention", "swin_tiny_patch4_window7_224", "swin_memory_gpu",
          {"attention": "fused"}),
     ):  # fmt: skip
         p0 = src.row(name, model=model, label="plain", **match)
-        s0 = src.row("eager_speed_cnn_gpu", model=model, row="plain") if model in timed else p0
+        s0 = p0
+        if model in timed:
+            s0 = src.row("eager_speed_cnn_h100_1206", model=model, row="plain")
         cells = [label, str(p0["batch"]), _mib(p0["peak_mib"]), _ms(s0["step_ms"])]
         for mode in ("ckpt", "mesa int8", "mesa int4"):
             r = src.row(name, model=model, label=mode, **match)
+            step = r["step_ms"] / p0["step_ms"]
             if model in timed and mode in speed:
-                step = src.row("eager_speed_cnn_gpu", model=model, row=speed[mode])["step_ratio"]
-            else:
-                step = r["step_ms"] / p0["step_ms"]
+                step = src.row("eager_speed_cnn_h100_1206", model=model,
+                               row=speed[mode])["step_ratio"]  # fmt: skip
             cells.append(f"{_x(p0['peak_mib'] / r['peak_mib'])}, {_x(step)}")
         rows.append(cells)
     header = ["model", "batch", "plain AMP peak MiB", "plain step ms",
@@ -378,9 +384,9 @@ def _graphed(src: _Sources) -> list[str]:
     eager plain (a graphed row's include its pool's free part). The eager 8-bit figures are
     the DeiT and convolutional tables'."""
     models = (("DeiT-Ti", "graphed_speed_gpu", "deit_tiny_patch16_224", ""),
-              ("DeiT-S", "graphed_speed_gpu", "deit_small_patch16_224", ""),
-              ("DeiT-B", "graphed_speed_gpu", "deit_base_patch16_224", ""),
-              ("Swin-T", "graphed_speed_others_gpu", "swin_tiny_patch4_window7_224", ""),
+              ("DeiT-S", "speed_vit_h100_1206", "deit_small_patch16_224", ""),
+              ("DeiT-B", "speed_vit_h100_1206", "deit_base_patch16_224", ""),
+              ("Swin-T", "speed_vit_h100_1206", "swin_tiny_patch4_window7_224", ""),
               ("ConvNeXt-T", "graphed_speed_others_gpu", "convnext_tiny", ""),
               ("ResNet-50", "graphed_speed_cnn_gpu", "resnet50", ", opt-in kinds"),
               ("EfficientNet-B0", "graphed_speed_cnn_gpu", "efficientnet_b0",

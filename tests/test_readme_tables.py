@@ -73,14 +73,14 @@ def test_the_readme_is_at_most_250_lines():
 
 
 def test_an_altered_figure_fails_naming_the_table():
-    # DeiT-S's step ratio in the deit table, from eager_speed_vit_gpu.jsonl (33.1 / 50.1 ms)
+    # DeiT-S's step ratio in the deit table, from speed_vit_h100_1206.jsonl (29.6 / 36.0 ms)
     row = next(line for line in README.splitlines() if line.startswith("| DeiT-S | 4,702 |"))
-    assert "| 1.51x |" in row
-    altered = README.replace(row, row.replace("| 1.51x |", "| 1.50x |"))
+    assert "| 1.22x |" in row
+    altered = README.replace(row, row.replace("| 1.22x |", "| 1.21x |"))
     problems = readme_tables.check(altered)
     assert len(problems) == 1
     assert problems[0].startswith("table 'deit' differs"), problems[0]
-    assert "1.50x" in problems[0] and "1.51x" in problems[0]
+    assert "1.21x" in problems[0] and "1.22x" in problems[0]
 
 
 def test_an_altered_figure_in_the_results_doc_fails_naming_the_table():
