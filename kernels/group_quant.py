@@ -581,18 +581,16 @@ if HAS_TRITON:
     @triton.jit
     def _quantize3_kernel(
         x0_ptr, x1_ptr, x2_ptr, c0_ptr, c1_ptr, c2_ptr, s0_ptr, s1_ptr, s2_ptr, n0, n1, n2,
-        group_size, QMIN: tl.constexpr, QMAX: tl.constexpr, BITS: tl.constexpr,
-        PER_BYTE: tl.constexpr, ONE_PASS: tl.constexpr, RN: tl.constexpr,
+        g0, g1, g2, p0, p1, group_size, QMIN: tl.constexpr, QMAX: tl.constexpr,
+        BITS: tl.constexpr, PER_BYTE: tl.constexpr, ONE_PASS: tl.constexpr, RN: tl.constexpr,
         PACKING: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         """Three tensors quantized alike in one launch (attention's q, k and v): the first
-        programs take x0's groups, the next x1's, the rest x2's, each program as
-        ``_quantize_kernel``'s (nearest rounding, no normalization)."""
+        ``p0`` programs take x0's ``g0`` groups, the next ``p1`` x1's, the rest x2's, each
+        program as ``_quantize_kernel``'s (nearest rounding, no normalization). The counts
+        come from the host: ``n + group_size - 1`` in the kernel's int32 wrapped for a tensor
+        near 2**31 elements."""
         pid = tl.program_id(0)
-        g0 = (n0 + group_size - 1) // group_size
-        g1 = (n1 + group_size - 1) // group_size
-        p0 = (g0 + ROWS - 1) // ROWS
-        p1 = (g1 + ROWS - 1) // ROWS
         if pid < p0:
             _quantize_program(
                 pid, x0_ptr, c0_ptr, s0_ptr, x0_ptr, x0_ptr, n0, g0, group_size, 1, 0, QMIN,
@@ -606,9 +604,9 @@ if HAS_TRITON:
             )  # fmt: skip
         else:
             _quantize_program(
-                pid - p0 - p1, x2_ptr, c2_ptr, s2_ptr, x2_ptr, x2_ptr, n2,
-                (n2 + group_size - 1) // group_size, group_size, 1, 0, QMIN, QMAX, BITS,
-                PER_BYTE, False, False, False, ONE_PASS, RN, PACKING, ROWS, BLOCK,
+                pid - p0 - p1, x2_ptr, c2_ptr, s2_ptr, x2_ptr, x2_ptr, n2, g2, group_size, 1,
+                0, QMIN, QMAX, BITS, PER_BYTE, False, False, False, ONE_PASS, RN, PACKING, ROWS,
+                BLOCK,
             )  # fmt: skip
 
     @triton.jit
@@ -771,7 +769,9 @@ if HAS_TRITON:
 # contiguous tile (``_pack``, ``_unpack``); "lanes", element j of every byte at once
 # (``_quantize_lanes``; the dequantize kernel's LANES branch); "bytes", quantize's tile loaded
 # as [ROWS, bytes, elements of a byte] (``_quantize_bytes``; dequantize as "tile"). All give the
-# same bytes and values; the choice is speed (docs/RESULTS.md).
+# same bytes and values; the choice is speed (docs/RESULTS.md). Read when a setting is first
+# planned (the plans are cached: set it before the first quantize, or clear _quantize_plan's
+# and _dequantize_plan's caches).
 PACKED_LAYOUTS = ("tile", "lanes", "bytes")
 PACKED_LAYOUT = "tile"
 
@@ -987,12 +987,12 @@ def quantize3(
     ngs = [n_groups_of(n, group_size) for n in ns]
     codes = [torch.empty(n_code_bytes(n, bits), dtype=code_dtype, device=x0.device) for n in ns]
     scales = [torch.empty(ng, dtype=torch.float32, device=x0.device) for ng in ngs]
-    programs = sum((ng + rows - 1) // rows for ng in ngs)
+    programs = [(ng + rows - 1) // rows for ng in ngs]
     qmin, qmax, _, per, _, _, _, one_pass, rn, packing = tail[:10]
     launcher = _QUANTIZE3 if bits == 8 else _QUANTIZE3_PACKED
     launcher(
-        (programs,), *xs, *codes, *scales, *ns, group_size, qmin, qmax, bits, per, one_pass, rn,
-        packing, rows, tail[-1],
+        (sum(programs),), *xs, *codes, *scales, *ns, *ngs, *programs[:2], group_size, qmin, qmax,
+        bits, per, one_pass, rn, packing, rows, tail[-1],
     )  # fmt: skip
     return list(zip(codes, scales, strict=True))
 

@@ -155,6 +155,7 @@ for bits, x_dtype in ((8, "*bf16"), (4, "*fp16")):
     compile_(gq._quantize3_kernel,
              {**{f"x{i}_ptr": x_dtype for i in range(3)}, **{f"c{i}_ptr": codes for i in range(3)},
               **{f"s{i}_ptr": "*fp32" for i in range(3)}, "n0": "i32", "n1": "i32", "n2": "i32",
+              "g0": "i32", "g1": "i32", "g2": "i32", "p0": "i32", "p1": "i32",
               "group_size": "i32"},
              {"QMIN": gq.qrange(True, bits)[0], "QMAX": gq.qrange(True, bits)[1], "BITS": bits,
               "PER_BYTE": gq.per_byte(bits), "ONE_PASS": True, "RN": True, "PACKING": 0,
