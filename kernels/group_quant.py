@@ -369,14 +369,14 @@ if HAS_TRITON:
         return at, in_group & (at < n // PER_BYTE), in_group & (at == n // PER_BYTE)
 
     @triton.jit
-    def store_code_bytes(codes_ptr, packed, at, bmask, tail, n, PER_BYTE: tl.constexpr):
+    def _store_code_bytes(codes_ptr, packed, at, bmask, tail, n, PER_BYTE: tl.constexpr):
         """Stores packed bytes at ``_code_bytes``'s offsets and masks."""
         tl.store(codes_ptr + at, packed.to(tl.uint8), mask=bmask)
         if n % PER_BYTE != 0:
             tl.store(codes_ptr + at, packed.to(tl.uint8), mask=tail)
 
     @triton.jit
-    def load_code_bytes(codes_ptr, at, bmask, tail, n, PER_BYTE: tl.constexpr):
+    def _load_code_bytes(codes_ptr, at, bmask, tail, n, PER_BYTE: tl.constexpr):
         """Packed bytes (int32, 0 where masked) at ``_code_bytes``'s offsets and masks."""
         byte = tl.load(codes_ptr + at, mask=bmask, other=0).to(tl.int32)
         if n % PER_BYTE != 0:
@@ -396,7 +396,7 @@ if HAS_TRITON:
                            PER_BYTE)  # fmt: skip
             at, bmask, tail = _code_bytes(base, row_ok, start, group_size, n, PER_BYTE,
                                           BLOCK // PER_BYTE)  # fmt: skip
-            store_code_bytes(codes_ptr, packed, at, bmask, tail, n, PER_BYTE)
+            _store_code_bytes(codes_ptr, packed, at, bmask, tail, n, PER_BYTE)
 
     @triton.jit
     def _lane(x_ptr, mean_ptr, rstd_ptr, base, row_ok, b, j, group_size, n, row_len,
@@ -455,7 +455,7 @@ if HAS_TRITON:
                                  POSITIVE, RN) << (3 * BITS)  # fmt: skip
         at, bmask, tail = _code_bytes(base, row_ok, 0, group_size, n, PER_BYTE,
                                       BLOCK // PER_BYTE)  # fmt: skip
-        store_code_bytes(codes_ptr, packed, at, bmask, tail, n, PER_BYTE)
+        _store_code_bytes(codes_ptr, packed, at, bmask, tail, n, PER_BYTE)
 
     @triton.jit
     def _quantize_bytes(
@@ -487,7 +487,7 @@ if HAS_TRITON:
         packed = tl.sum(stored << (j * BITS)[None, None, :], axis=2)  # disjoint bits: an OR
         at, bmask, tail = _code_bytes(base, row_ok, 0, group_size, n, PER_BYTE,
                                       BLOCK // PER_BYTE)  # fmt: skip
-        store_code_bytes(codes_ptr, packed, at, bmask, tail, n, PER_BYTE)
+        _store_code_bytes(codes_ptr, packed, at, bmask, tail, n, PER_BYTE)
 
     @triton.jit
     def _quantize_kernel(
@@ -736,7 +736,7 @@ if HAS_TRITON:
             for start in range(0, group_size, BLOCK):
                 at, bmask, tail = _code_bytes(base, row_ok, start, group_size, n, PER_BYTE,
                                               BLOCK // PER_BYTE)  # fmt: skip
-                byte = load_code_bytes(codes_ptr, at, bmask, tail, n, PER_BYTE)
+                byte = _load_code_bytes(codes_ptr, at, bmask, tail, n, PER_BYTE)
                 for j in tl.static_range(PER_BYTE):
                     c = start + b * PER_BYTE + j
                     offs = base[:, None] + c[None, :]
@@ -757,7 +757,7 @@ if HAS_TRITON:
                 else:  # each byte loaded once, unpacked in registers
                     at, bmask, tail = _code_bytes(base, row_ok, start, group_size, n,
                                                   PER_BYTE, BLOCK // PER_BYTE)  # fmt: skip
-                    byte = load_code_bytes(codes_ptr, at, bmask, tail, n, PER_BYTE)
+                    byte = _load_code_bytes(codes_ptr, at, bmask, tail, n, PER_BYTE)
                     q = _unpack(byte, ROWS, BLOCK, BITS, PER_BYTE) + QMIN
                     v = q.to(tl.float32) * s
                 v = _epilogue(v, offs, mask, base, c, group_size, p1_ptr, p2_ptr, row_len,
