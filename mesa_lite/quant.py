@@ -167,15 +167,19 @@ def quantize(
     return Packed(codes, scales, x.shape, dtype, spec, signed)
 
 
-def quantize3(xs, spec: QuantSpec) -> list[Packed] | None:
-    """Three tensors kept as ``quantize(x, spec)`` keeps each, bit for bit, in one kernel
-    launch (``group_quant.quantize3``: attention's q, k and v from separate projections); None
-    where that launch does not apply (compile, exact or stochastic specs, tensors the kernels do
-    not take, or not all of one dtype on one CUDA device), for the caller to quantize each."""
+def one_launch(xs, spec: QuantSpec) -> bool:
+    """Whether ``quantize3`` takes these three tensors: the kernels run for them (CUDA, not
+    compiling), they are of one compressible dtype on one device, and the spec is compressed
+    at nearest rounding."""
     x0 = xs[0]
-    if (spec.exact or spec.stochastic or not use_triton(x0) or not compressible(x0)
-            or any(x.dtype != x0.dtype or x.device != x0.device for x in xs)):  # fmt: skip
-        return None
+    return not (spec.exact or spec.stochastic or not use_triton(x0) or not compressible(x0)
+                or any(x.dtype != x0.dtype or x.device != x0.device for x in xs))  # fmt: skip
+
+
+def quantize3(xs, spec: QuantSpec) -> list[Packed]:
+    """Three tensors kept as ``quantize(x, spec)`` keeps each, bit for bit, in one kernel
+    launch (``group_quant.quantize3``: attention's q, k and v from separate projections), where
+    ``one_launch`` says it applies."""
     kept = group_quant.quantize3(xs, spec.group_size, True, use_triton=True, bits=spec.bits)
     return [Packed(c, s, x.shape, x.dtype, spec, True) for x, (c, s) in zip(xs, kept, strict=True)]
 

@@ -249,11 +249,10 @@ def keep_qkv(q, k, v, spec: QuantSpec, split=None) -> tuple[list, object]:
         off = base.storage_offset()
         views = [(t.shape, t.stride(), t.storage_offset() - off) for t in (q, k, v)]
         return [quant.quantize(base, spec)], ("views", views)
-    if spec.bits == 8 and not spec.exact:  # separate tensors (Hugging Face's projections)
+    if spec.bits == 8 and quant.one_launch((q, k, v), spec):  # Hugging Face's projections
         views = [_memory_view(t) for t in (q, k, v)]
-        kept = quant.quantize3([t for t, _ in views], spec)  # one launch, where it applies
-        if kept is not None:
-            return kept, ("orders", [layout for _, layout in views])
+        kept = quant.quantize3([t for t, _ in views], spec)
+        return kept, ("orders", [layout for _, layout in views])
     # q and k at 8 bits even when the spec asks for fewer: backward rebuilds the attention
     # probabilities as exp(q k^T * scale - logsumexp), which exponentiates their error (at 2
     # bits all four low gave gradients 70 dB worse than q, k at 8)
