@@ -4,7 +4,7 @@ the debug mode and within the SQNR floor compressed, masks and unsupported backe
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_equal, saved_activation_bytes, sqnr_db
+from conftest import assert_equal, count_calls, saved_activation_bytes, sqnr_db
 
 import mesa_lite
 from mesa_lite import QuantSpec
@@ -379,9 +379,7 @@ def test_separate_q_k_v_are_quantized_in_one_launch(case, autocast, triton_devic
         grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
         return out, grads
 
-    real = gq.quantize3
-    calls = []
-    monkeypatch.setattr(gq, "quantize3", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    calls = count_calls(monkeypatch, gq, "quantize3")
     if mesa_lite.ops.attention.sdpa_backend(q, k, v, 0.0, False, None, None, gqa) < 1:
         pytest.skip("PyTorch runs this attention on its math path here")
     monkeypatch.setattr(quant, "use_triton", lambda t: True)

@@ -5,7 +5,7 @@ On a machine without a GPU the kernels run in Triton's interpreter (see conftest
 
 import pytest
 import torch
-from conftest import DEVICES, FLOAT_DTYPES, assert_equal
+from conftest import DEVICES, FLOAT_DTYPES, assert_equal, count_calls
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mesa_lite.kernels import group_quant as gq
@@ -453,15 +453,9 @@ def test_quantize3_is_three_quantize_calls_in_one_launch(bits, signed, layout, d
     k = (torch.randn(2, 1, 37, 16, generator=g) * 0.01).to(dtype).to(triton_device)
     v = (torch.randn(1, 37, 1, 15, generator=g)).to(dtype).to(triton_device).transpose(1, 2)
     q.view(-1)[3], k.view(-1)[200] = float("nan"), float("inf")
-    launches = []
-    real = gq._QUANTIZE3 if bits == 8 else gq._QUANTIZE3_PACKED
-    launcher_type = type(real)
-    call = launcher_type.__call__
-    monkeypatch.setattr(launcher_type, "__call__",
-                        lambda self, *a: (launches.append(self), call(self, *a))[1])  # fmt: skip
+    launches = count_calls(monkeypatch, gq, "_QUANTIZE3" if bits == 8 else "_QUANTIZE3_PACKED")
     got = gq.quantize3((q, k, v), 64, signed=signed, use_triton=True, bits=bits)
-    assert launches == [real]
-    monkeypatch.setattr(launcher_type, "__call__", call)
+    assert launches == [1]
     for x, (codes, scales) in zip((q, k, v), got, strict=True):
         want_codes, want_scales = gq.quantize(x, 64, signed=signed, use_triton=True, bits=bits)
         assert_equal(codes.cpu(), want_codes.cpu(), "codes")
