@@ -26,11 +26,12 @@ from mesa_lite.kernels import gated
 from mesa_lite.kernels import norm_backward as nb
 from mesa_lite.kernels import softmax_backward as sb
 
-def compile_(fn, signature, constexprs, warps):
+def compile_(fn, signature, constexprs, warps, attrs=None):
     sig = {**signature, **dict.fromkeys(constexprs, "constexpr")}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     assert len(k.asm["cubin"]) > 1000
+    return k
 
 CASES = [(8, True, False, "*fp16", True, 0), (8, False, True, "*bf16", False, 1),
          (4, True, True, "*fp32", True, 2), (2, False, False, "*fp16", False, 3),
@@ -167,15 +168,13 @@ for bits, x_dtype in ((8, "*bf16"), (4, "*fp16")):
 # at a time, 16 per thread, when the masks' bound was (n + 1) // 2)
 aligned = {(i,): [["tt.divisibility", 16]] for i in range(9)}
 rows = gq._launch_shape(128, 4)[0]
-k = triton.compile(ASTSource(fn=gq._quantize_kernel, signature={
-        "x_ptr": "*fp16", "codes_ptr": "*u8", "scales_ptr": "*fp32", "mean_ptr": "*fp32",
-        "rstd_ptr": "*fp32", "n": "i32", "n_groups": "i32", "group_size": "i32", "row_len": "i32",
-        "seed": "i32", **dict.fromkeys(["QMIN", "QMAX", "BITS", "PER_BYTE", "STOCHASTIC", "NORM",
-        "POSITIVE", "ONE_PASS", "RN", "PACKING", "ROWS", "BLOCK"], "constexpr")},
-    constexprs={"QMIN": -7, "QMAX": 7, "BITS": 4, "PER_BYTE": 2, "STOCHASTIC": False,
-                "NORM": False, "POSITIVE": False, "ONE_PASS": True, "RN": True, "PACKING": 0,
-                "ROWS": rows, "BLOCK": 128}, attrs=aligned),
-    target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+k = compile_(gq._quantize_kernel,
+             {"x_ptr": "*fp16", "codes_ptr": "*u8", "scales_ptr": "*fp32", "mean_ptr": "*fp32",
+              "rstd_ptr": "*fp32", "n": "i32", "n_groups": "i32", "group_size": "i32",
+              "row_len": "i32", "seed": "i32"},
+             {"QMIN": -7, "QMAX": 7, "BITS": 4, "PER_BYTE": 2, "STOCHASTIC": False, "NORM": False,
+              "POSITIVE": False, "ONE_PASS": True, "RN": True, "PACKING": 0, "ROWS": rows,
+              "BLOCK": 128}, 1, attrs=aligned)
 print("packed stores", sorted(set(re.findall(r"st\.global\.v\d\.b32", k.asm["ptx"]))))
 """
 
